@@ -1,0 +1,48 @@
+"""Project exception types. Every error a user can trigger is one of these, with a message that
+names the bad value and what was expected."""
+
+from __future__ import annotations
+
+__all__ = [
+    "OffgraphError",
+    "SpecError",
+    "CacheOverflowError",
+    "ExportError",
+    "ArtifactError",
+    "StepRefused",
+    "CheckFailed",
+]
+
+
+class OffgraphError(Exception):
+    """Base class of every offgraph-export error."""
+
+
+class SpecError(OffgraphError, ValueError):
+    """A compile spec or manifest is malformed or inconsistent."""
+
+
+class CacheOverflowError(OffgraphError, RuntimeError):
+    """A step would write past a cache's hard capacity."""
+
+
+class ExportError(OffgraphError, RuntimeError):
+    """A model could not be exported or a pass rejected the traced graph."""
+
+
+class ArtifactError(OffgraphError, RuntimeError):
+    """A package is missing, corrupt, or disagrees with its own specs."""
+
+
+class StepRefused(OffgraphError, ValueError):
+    """The runtime refused a step before launching the compiled program."""
+
+
+class CheckFailed(OffgraphError, AssertionError):
+    """A compiled step disagreed with its spec or with the eager oracle.
+
+    ``report`` carries the full check report (a pydantic model)."""
+
+    def __init__(self, message: str, report: object | None = None) -> None:
+        super().__init__(message)
+        self.report = report

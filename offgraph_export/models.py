@@ -1,0 +1,82 @@
+"""Model factories: what export needs from a model, and resolving ``FILE.py:FUNCTION`` /
+``package.module:FUNCTION`` names given on the command line."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from offgraph_export.errors import OffgraphError
+from offgraph_export.specs.cache_config import CacheConfig
+
+__all__ = ["ModelBundle", "resolve_factory", "load_bundle"]
+
+
+@dataclass
+class ModelBundle:
+    """Everything export, check and run need from a model.
+
+    ``token_dims[i]`` names the dim of ``example_inputs[i]`` that grows with the step's token
+    count (``None`` for inputs of fixed shape). ``make_inputs(token_ids [B,T], start)`` builds a
+    step's inputs for tokens that start at absolute position ``start``.
+    """
+
+    model: torch.nn.Module
+    example_inputs: tuple[torch.Tensor, ...]
+    token_dims: tuple[int | None, ...]
+    cache_config: CacheConfig
+    make_inputs: Callable[[torch.Tensor, int], tuple[torch.Tensor, ...]]
+    vocab_size: int
+    encode: Callable[[str], list[int]] | None = None
+    decode: Callable[[list[int]], str] | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if len(self.token_dims) != len(self.example_inputs):
+            raise OffgraphError(
+                f"token_dims has {len(self.token_dims)} entries but there are "
+                f"{len(self.example_inputs)} example inputs"
+            )
+
+
+def resolve_factory(spec: str) -> Callable[..., ModelBundle]:
+    """``path/to/file.py:build`` or ``package.module:build`` -> the callable."""
+    module_part, sep, func_name = spec.rpartition(":")
+    if not sep or not module_part or not func_name:
+        raise OffgraphError(
+            f"model factory {spec!r} must look like FILE.py:FUNCTION or package.module:FUNCTION"
+        )
+    if module_part.endswith(".py"):
+        path = Path(module_part)
+        if not path.is_file():
+            raise OffgraphError(f"model factory file {str(path)!r} does not exist")
+        name = f"_offgraph_model_{abs(hash(str(path.resolve())))}"
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        assert module_spec is not None and module_spec.loader is not None
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module
+        module_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(module_part)
+        except ImportError as exc:
+            raise OffgraphError(f"cannot import model module {module_part!r}: {exc}") from exc
+    factory = getattr(module, func_name, None)
+    if not callable(factory):
+        raise OffgraphError(f"{module_part!r} has no callable {func_name!r}")
+    return factory
+
+
+def load_bundle(spec: str, **kwargs) -> ModelBundle:
+    bundle = resolve_factory(spec)(**kwargs)
+    if not isinstance(bundle, ModelBundle):
+        raise OffgraphError(
+            f"model factory {spec!r} returned {type(bundle).__name__}; expected a ModelBundle"
+        )
+    return bundle

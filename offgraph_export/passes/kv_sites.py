@@ -1,0 +1,67 @@
+"""Find the neutral KV op nodes of a graph and read their arguments.
+
+Shared by every pass: one place that knows the op's schema
+``(q, k, v, position, layer_id, scale, out_dtype)`` and the targets that carry it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from offgraph_export.errors import ExportError
+from offgraph_export.ops import NEUTRAL_OP_NAMES
+
+__all__ = ["KvSite", "find_kv_sites", "is_neutral_op"]
+
+_ARG_NAMES = ("q", "k", "v", "position", "layer_id", "scale", "out_dtype")
+
+
+def is_neutral_op(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name in NEUTRAL_OP_NAMES
+    return False
+
+
+@dataclass(frozen=True)
+class KvSite:
+    """One neutral-op node with its arguments resolved by name."""
+
+    node: fx.Node
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    position: fx.Node
+    layer_id: object
+    scale: object
+    out_dtype: object
+
+    def val(self, name: str) -> torch.Tensor:
+        arg = getattr(self, name)
+        value = arg.meta.get("val") if isinstance(arg, fx.Node) else None
+        if not isinstance(value, torch.Tensor):
+            raise ExportError(f"node {self.node.name}: argument {name} has no traced tensor value")
+        return value
+
+
+def find_kv_sites(graph: fx.Graph) -> list[KvSite]:
+    sites = []
+    for node in graph.nodes:
+        if not is_neutral_op(node):
+            continue
+        schema_args = node.target._schema.arguments
+        values = dict(zip((a.name for a in schema_args), node.args))
+        values.update(node.kwargs)
+        missing = [n for n in _ARG_NAMES if n not in values]
+        if missing:
+            raise ExportError(
+                f"node {node.name} ({node.target}) lacks arguments {missing}; expected the schema "
+                f"update_and_attend{_ARG_NAMES}"
+            )
+        sites.append(KvSite(node=node, **{n: values[n] for n in _ARG_NAMES}))
+    return sites

@@ -1,0 +1,190 @@
+"""Eager reference KV caches: the oracle behind the neutral op.
+
+Plain, obviously-correct code: each layer keeps its history as tensors with the absolute position
+of every row, and attention masks by positions (causal, and for ring layers the sliding window).
+A :class:`ReferenceCaches` set holds one cache per layer for one session; ``activate()`` makes it
+the set the neutral op uses in the current context, so several sessions can live in one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from offgraph_export.errors import CacheOverflowError, OffgraphError
+from offgraph_export.specs.cache_config import CacheConfig
+
+__all__ = [
+    "ReferenceLayerCache",
+    "ReferenceCaches",
+    "active_caches",
+    "attend_by_position",
+    "normalize_position",
+]
+
+_ACTIVE: contextvars.ContextVar["ReferenceCaches | None"] = contextvars.ContextVar(
+    "offgraph_active_reference_caches", default=None
+)
+
+
+def normalize_position(position: torch.Tensor, width: int) -> torch.Tensor:
+    """Accept ``[T]`` or ``[T, 1]`` int64 positions; return ``[T]``."""
+    if position.dtype != torch.int64:
+        raise OffgraphError(f"position must be int64, got {position.dtype}")
+    if position.dim() == 2 and position.shape[1] == 1:
+        position = position[:, 0]
+    if position.dim() != 1 or position.shape[0] != width:
+        raise OffgraphError(
+            f"position must have shape [T] or [T, 1] with T={width}, got {tuple(position.shape)}"
+        )
+    return position
+
+
+def attend_by_position(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    scale: float,
+    window: int | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Attention of ``q [B,Hq,T,D]`` over ``keys [B,Hkv,L,D]``/``values [B,Hkv,L,Dv]`` whose rows
+    sit at absolute positions ``k_pos [L]``. Query i sees key j iff ``k_pos[j] <= q_pos[i]`` and,
+    with a window, ``k_pos[j] > q_pos[i] - window``. Computed in float32."""
+    b, hq, t, d = q.shape
+    hkv = keys.shape[1]
+    group = hq // hkv
+    qf = q.float().reshape(b, hkv, group, t, d)
+    scores = torch.einsum("bhgtd,bhld->bhgtl", qf, keys.float()) * scale
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bhgtl,bhld->bhgtd", probs, values.float())
+    return out.reshape(b, hq, t, values.shape[-1]).to(out_dtype)
+
+
+class ReferenceLayerCache:
+    """History of one layer. Flat keeps every row up to ``capacity``; ring keeps the newest
+    ``window`` rows (all a later query can see)."""
+
+    def __init__(self, layer_id: int, policy: str, capacity: int, window: int | None = None) -> None:
+        if policy not in ("flat", "ring"):
+            raise OffgraphError(f"layer {layer_id}: unknown policy {policy!r}; expected flat or ring")
+        if policy == "ring" and (window is None or window < 1):
+            raise OffgraphError(f"layer {layer_id}: ring policy needs a positive window, got {window!r}")
+        self.layer_id = layer_id
+        self.policy = policy
+        self.capacity = capacity
+        self.window = window if policy == "ring" else None
+        self.length = 0
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
+
+    def reset(self) -> None:
+        self.length = 0
+        self.keys = self.values = self.positions = None
+
+    def update_and_attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        position: torch.Tensor,
+        scale: float,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        width = k.shape[2]
+        pos = normalize_position(position, width)
+        expected = torch.arange(self.length, self.length + width, device=pos.device)
+        if not torch.equal(pos, expected):
+            raise OffgraphError(
+                f"layer {self.layer_id}: positions must continue the history at {self.length} "
+                f"(expected {self.length}..{self.length + width - 1}), got {pos.tolist()}"
+            )
+        if self.policy == "flat" and self.length + width > self.capacity:
+            raise CacheOverflowError(
+                f"layer {self.layer_id}: writing {width} tokens at length {self.length} exceeds the "
+                f"cache capacity of {self.capacity} tokens"
+            )
+        if self.keys is None:
+            self.keys, self.values, self.positions = k, v, pos
+        else:
+            self.keys = torch.cat([self.keys, k], dim=2)
+            self.values = torch.cat([self.values, v], dim=2)
+            self.positions = torch.cat([self.positions, pos])
+        self.length += width
+        assert self.values is not None and self.positions is not None
+        out = attend_by_position(
+            q, self.keys, self.values, pos, self.positions, scale, self.window, out_dtype
+        )
+        if self.window is not None and self.keys.shape[2] > self.window:
+            self.keys = self.keys[:, :, -self.window :]
+            self.values = self.values[:, :, -self.window :]
+            self.positions = self.positions[-self.window :]
+        return out
+
+    def rows_at(self, positions: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V rows (``[B,H,n,D]``) that this cache holds for the given absolute positions."""
+        assert self.positions is not None and self.keys is not None and self.values is not None
+        wanted = torch.tensor(list(positions), dtype=torch.int64, device=self.positions.device)
+        idx = torch.searchsorted(self.positions, wanted)
+        if idx.numel() and (
+            int(idx.max()) >= self.positions.numel() or not torch.equal(self.positions[idx], wanted)
+        ):
+            raise OffgraphError(f"layer {self.layer_id} no longer holds positions {wanted.tolist()}")
+        return self.keys[:, :, idx], self.values[:, :, idx]
+
+
+class ReferenceCaches:
+    """The reference caches of one session, one per layer id."""
+
+    def __init__(self, config: CacheConfig, layer_ids: Iterable[int]) -> None:
+        self.config = config
+        self.layers = {
+            lid: ReferenceLayerCache(lid, config.policy(lid), config.max_capacity, config.window(lid))
+            for lid in layer_ids
+        }
+
+    def __getitem__(self, layer_id: int) -> ReferenceLayerCache:
+        try:
+            return self.layers[layer_id]
+        except KeyError:
+            raise OffgraphError(
+                f"no reference cache for layer {layer_id}; this set has layers {sorted(self.layers)}"
+            ) from None
+
+    @property
+    def length(self) -> int:
+        lengths = {c.length for c in self.layers.values()}
+        return lengths.pop() if len(lengths) == 1 else -1
+
+    def reset(self) -> None:
+        for cache in self.layers.values():
+            cache.reset()
+
+    @contextlib.contextmanager
+    def activate(self) -> Iterator["ReferenceCaches"]:
+        """Make this the set the neutral op appends to, for the ``with`` block."""
+        token = _ACTIVE.set(self)
+        try:
+            yield self
+        finally:
+            _ACTIVE.reset(token)
+
+
+def active_caches() -> ReferenceCaches:
+    caches = _ACTIVE.get()
+    if caches is None:
+        raise OffgraphError(
+            "offgraph::update_and_attend ran eagerly with no active reference cache; run the model "
+            "inside `with ReferenceCaches(config, layer_ids).activate():`"
+        )
+    return caches
