@@ -11,6 +11,7 @@ from offgraph_export.errors import (
     ExportError,
     OffgraphError,
     SpecError,
+    StepFailed,
     StepRefused,
 )
 
@@ -21,6 +22,7 @@ __all__ = [
     "ExportError",
     "OffgraphError",
     "SpecError",
+    "StepFailed",
     "StepRefused",
 ]
 __version__ = "0.1.0"

@@ -10,6 +10,7 @@ __all__ = [
     "ExportError",
     "ArtifactError",
     "StepRefused",
+    "StepFailed",
     "CheckFailed",
 ]
 
@@ -36,6 +37,10 @@ class ArtifactError(OffgraphError, RuntimeError):
 
 class StepRefused(OffgraphError, ValueError):
     """The runtime refused a step before launching the compiled program."""
+
+
+class StepFailed(OffgraphError, RuntimeError):
+    """The compiled program raised during a step; the cache was not advanced."""
 
 
 class CheckFailed(OffgraphError, AssertionError):

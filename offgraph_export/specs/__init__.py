@@ -1,5 +1,13 @@
 """Compile specs shared by export, lowering and the runtime. Nothing here imports torch."""
 
+from offgraph_export.specs.artifact import (
+    ArtifactSpecs,
+    InputSpec,
+    archive_entries,
+    parse_artifact_specs,
+    read_artifact_specs,
+    write_artifact_specs,
+)
 from offgraph_export.specs.cache_config import CacheConfig
 from offgraph_export.specs.manifest import (
     MANIFEST_KEY,
@@ -22,7 +30,13 @@ __all__ = [
     "MANIFEST_VERSION",
     "STORAGE_DTYPES",
     "STEP_WIDTH_KEY",
+    "ArtifactSpecs",
     "CacheConfig",
+    "InputSpec",
+    "archive_entries",
+    "parse_artifact_specs",
+    "read_artifact_specs",
+    "write_artifact_specs",
     "CacheManifest",
     "LayerManifest",
     "StorageInput",

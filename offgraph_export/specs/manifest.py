@@ -79,7 +79,8 @@ class CacheManifest(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    version: int
+    # strict: a version must be exactly the integer, never coerced from "1", true or 1.0
+    version: int = Field(strict=True)
     storage_dtype: Literal["float32", "float16", "bfloat16"]
     batch_size: int = Field(ge=1)
     max_capacity: int = Field(ge=1)
@@ -145,7 +146,9 @@ def parse_manifest(text: str | bytes) -> CacheManifest:
         data = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise SpecError(f"{MANIFEST_KEY} is not valid JSON: {exc}") from exc
-    if isinstance(data, dict) and "version" in data and data["version"] != MANIFEST_VERSION:
+    if isinstance(data, dict) and "version" in data and (
+        type(data["version"]) is not int or data["version"] != MANIFEST_VERSION
+    ):
         raise SpecError(
             f"unknown {MANIFEST_KEY} version {data['version']!r}; this build reads version "
             f"{MANIFEST_VERSION}"

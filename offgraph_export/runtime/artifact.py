@@ -1,0 +1,78 @@
+"""Load a ``.pt2`` artifact: specs first (from the archive, no code), then the compiled program,
+then cross-check the two before any step runs."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from offgraph_export.errors import ArtifactError
+from offgraph_export.specs.artifact import ArtifactSpecs, read_artifact_specs
+from offgraph_export.specs.manifest import MANIFEST_KEY, parse_manifest
+from offgraph_export.specs.step_width import STEP_WIDTH_KEY, parse_step_width
+
+__all__ = ["Artifact"]
+
+
+class Artifact:
+    """A loaded program and its specs. One artifact serves many sessions (weights loaded once)."""
+
+    def __init__(self, path: Path, specs: ArtifactSpecs, compiled: object) -> None:
+        self.path = path
+        self.specs = specs
+        self.compiled = compiled
+        self._run = compiled.loader.run  # type: ignore[attr-defined]  # no pytree work per call
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.specs.device)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, single_threaded: bool = False) -> "Artifact":
+        """``single_threaded=True`` loads for CUDA graph capture."""
+        path = Path(path)
+        specs = read_artifact_specs(path)
+        if specs.device == "cuda" and not torch.cuda.is_available():
+            raise ArtifactError(f"{path} was compiled for cuda but no CUDA device is available")
+        try:
+            from torch._inductor import aoti_load_package
+
+            compiled = aoti_load_package(str(path), run_single_threaded=single_threaded)
+        except Exception as exc:  # loader raises RuntimeError/others from C++
+            raise ArtifactError(f"cannot load the compiled program in {path}: {exc}") from exc
+        cls._cross_check(path, specs, compiled)
+        return cls(path, specs, compiled)
+
+    @staticmethod
+    def _cross_check(path: Path, specs: ArtifactSpecs, compiled: object) -> None:
+        metadata = compiled.get_metadata()  # type: ignore[attr-defined]
+        if STEP_WIDTH_KEY not in metadata or MANIFEST_KEY not in metadata:
+            raise ArtifactError(f"{path}: compiled program carries no offgraph specs in its metadata")
+        width = parse_step_width(metadata[STEP_WIDTH_KEY])
+        if width != specs.width:
+            raise ArtifactError(
+                f"{path}: step width in the archive ({specs.step_width!r}) disagrees with the "
+                f"compiled program's ({metadata[STEP_WIDTH_KEY]!r})"
+            )
+        if parse_manifest(metadata[MANIFEST_KEY]) != specs.manifest:
+            raise ArtifactError(f"{path}: manifest in the archive disagrees with the compiled program's")
+        in_spec, _ = compiled.loader.get_call_spec()  # type: ignore[attr-defined]
+        n_inputs = torch.utils._pytree.treespec_loads(in_spec).num_leaves
+        want = len(specs.inputs) + 2 * len(specs.manifest.layers)
+        if n_inputs != want:
+            raise ArtifactError(
+                f"{path}: compiled program takes {n_inputs} inputs but the specs describe {want} "
+                f"({len(specs.inputs)} model inputs + {2 * len(specs.manifest.layers)} storage)"
+            )
+
+    def run(self, flat_inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Call the compiled program on model inputs followed by storage, as a flat list."""
+        return self._run(list(flat_inputs))
+
+    def new_session(self, **kwargs) -> "Session":  # noqa: F821
+        from offgraph_export.runtime.session import Session
+
+        return Session(self, **kwargs)

@@ -1,0 +1,130 @@
+"""A session: one user's cache over a shared loaded program.
+
+Each step is prepare -> run -> commit:
+  1. prepare: read the width from the spec (shapes only), admit or refuse, grow storage if needed;
+  2. run: the compiled program on the model inputs followed by this session's storage;
+  3. commit: advance the committed length by the width, only if the run returned normally.
+A failed run leaves the length where it was; rows it may have written lie beyond the committed
+length, are masked by the next step's positions and overwritten by it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from pydantic import BaseModel
+
+from offgraph_export.errors import StepFailed, StepRefused
+from offgraph_export.runtime.admission import admit_step
+from offgraph_export.runtime.artifact import Artifact
+from offgraph_export.runtime.storage import Allocator, SessionStorage, default_allocator
+
+__all__ = ["Session", "SessionMetrics"]
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+class SessionMetrics(BaseModel):
+    committed_length: int
+    capacity: int
+    growth_count: int
+    allocated_bytes: int
+    steps: int
+    failed_steps: int
+    refused_steps: int
+    graph_captures: int = 0
+    graph_replays: int = 0
+
+
+class Session:
+    def __init__(
+        self,
+        artifact: Artifact,
+        allocator: Allocator = default_allocator,
+        poison: bool = False,
+        cuda_graphs: bool = False,
+    ) -> None:
+        self.artifact = artifact
+        self.specs = artifact.specs
+        self.storage = SessionStorage(self.specs.manifest, artifact.device, allocator, poison)
+        self.used = 0
+        self.closed = False
+        self._steps = self._failed = self._refused = 0
+        self._graphs = None
+        if cuda_graphs:
+            from offgraph_export.runtime.cuda_graph import DecodeGraphs
+
+            self._graphs = DecodeGraphs(self)
+
+    # -- the step -------------------------------------------------------------------------------
+    def prepare(self, inputs: Sequence[torch.Tensor]) -> int:
+        """Admit the step and grow storage for it; returns the width. Changes nothing on refusal."""
+        if self.closed:
+            self._refused += 1
+            raise StepRefused("this session is closed; open a new one with artifact.new_session()")
+        try:
+            width = admit_step(self.specs, inputs, self.used)
+        except StepRefused:
+            self._refused += 1
+            raise
+        try:
+            self.storage.ensure(self.used + width, self.used)
+        except Exception as exc:  # the allocator may raise anything (OOM, ...): storage unchanged
+            self._refused += 1
+            raise StepRefused(
+                f"could not grow storage to {self.used + width} tokens (cache unchanged): {exc}"
+            ) from exc
+        return width
+
+    def run(self, inputs: Sequence[torch.Tensor], width: int) -> list[torch.Tensor]:
+        """Launch the compiled program on prepared storage (no commit)."""
+        if self._graphs is not None and self._graphs.accepts(width):
+            return self._graphs.run(inputs)
+        return self.artifact.run([*inputs, *self.storage.bound()])
+
+    def commit(self, width: int) -> None:
+        self.used += width
+        self._steps += 1
+
+    def step(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
+        """prepare -> run -> commit. Returns the program's outputs."""
+        width = self.prepare(inputs)
+        try:
+            outputs = self.run(inputs, width)
+        except Exception as exc:  # the compiled program's C++ errors surface as RuntimeError
+            self._failed += 1
+            raise StepFailed(
+                f"compiled step of {width} tokens at length {self.used} failed; the cache was not "
+                f"advanced: {_first_line(exc)}"
+            ) from exc
+        self.commit(width)
+        return outputs
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget the history; storage (and its capacity) is kept for reuse."""
+        self.used = 0
+        if self.storage.poison:
+            self.storage.poison_from(0)
+
+    def close(self) -> None:
+        self.closed = True
+        self.storage.tensors.clear()
+        self._graphs = None
+
+    def metrics(self) -> SessionMetrics:
+        return SessionMetrics(
+            committed_length=self.used,
+            capacity=self.storage.capacity,
+            growth_count=self.storage.growth_count,
+            allocated_bytes=self.storage.allocated_bytes(),
+            steps=self._steps,
+            failed_steps=self._failed,
+            refused_steps=self._refused,
+            graph_captures=self._graphs.captures if self._graphs else 0,
+            graph_replays=self._graphs.replays if self._graphs else 0,
+        )

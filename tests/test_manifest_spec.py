@@ -1,0 +1,312 @@
+"""The cache manifest compile spec and the user's CacheConfig: valid ones round-trip, every
+inconsistency is rejected with a message that names it."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from offgraph_export.errors import SpecError
+from offgraph_export.specs import (
+    MANIFEST_KEY,
+    MANIFEST_VERSION,
+    CacheConfig,
+    CacheManifest,
+    parse_manifest,
+)
+
+
+def _layer(layer_id: int, policy: str = "flat", window: int | None = None, first_index: int = 2):
+    return {
+        "layer_id": layer_id,
+        "policy": policy,
+        "window": window,
+        "kv_heads": 2,
+        "head_dim": 16,
+        "v_head_dim": 8,
+        "k": {"name": f"kv_k_{layer_id}", "index": first_index + 2 * layer_id},
+        "v": {"name": f"kv_v_{layer_id}", "index": first_index + 2 * layer_id + 1},
+    }
+
+
+def _manifest(**overrides) -> dict:
+    data = {
+        "version": MANIFEST_VERSION,
+        "storage_dtype": "bfloat16",
+        "batch_size": 1,
+        "max_capacity": 256,
+        "initial_capacity": 16,
+        "max_write": 32,
+        "layers": [_layer(0), _layer(1, "ring", 16)],
+    }
+    data.update(overrides)
+    return data
+
+
+def _rejected(data, *fragments: str) -> str:
+    text = data if isinstance(data, (str, bytes)) else json.dumps(data)
+    with pytest.raises(SpecError) as info:
+        parse_manifest(text)
+    message = str(info.value)
+    assert MANIFEST_KEY in message
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+    return message
+
+
+# --- valid manifests -------------------------------------------------------------------------
+
+
+def test_key_and_version():
+    assert MANIFEST_KEY == "offgraph_kv_manifest"
+    assert MANIFEST_VERSION == 1
+
+
+def test_round_trip_through_json():
+    data = _manifest()
+    manifest = parse_manifest(json.dumps(data))
+    assert isinstance(manifest, CacheManifest)
+    assert manifest.layer_ids == [0, 1]
+    assert manifest.layer(1).policy == "ring" and manifest.layer(1).window == 16
+    assert manifest.layer(0).window is None
+    assert manifest.layer(0).v_head_dim == 8
+    assert manifest.has_flat
+    # to_json -> parse gives an equal manifest, and the same JSON data as went in.
+    text = manifest.to_json()
+    again = parse_manifest(text)
+    assert again == manifest
+    assert json.loads(text) == data
+    assert again.to_json() == text
+
+
+def test_parse_accepts_bytes():
+    assert parse_manifest(json.dumps(_manifest()).encode()) == parse_manifest(json.dumps(_manifest()))
+
+
+def test_storage_inputs_in_index_order_and_rows():
+    data = _manifest(layers=[_layer(1, "ring", 16), _layer(0)])
+    manifest = parse_manifest(json.dumps(data))
+    assert [s.index for s in manifest.storage_inputs()] == [2, 3, 4, 5]
+    assert [s.name for s in manifest.storage_inputs()] == ["kv_k_0", "kv_v_0", "kv_k_1", "kv_v_1"]
+    assert manifest.layer(0).rows(capacity=64, max_write=32) == 64
+    assert manifest.layer(1).rows(capacity=64, max_write=32) == 16 + 32 - 1
+
+
+def test_all_ring_manifest():
+    manifest = parse_manifest(json.dumps(_manifest(layers=[_layer(0, "ring", 4)])))
+    assert not manifest.has_flat
+
+
+def test_max_write_equal_to_capacity_is_fine():
+    parse_manifest(json.dumps(_manifest(max_write=256, initial_capacity=256)))
+
+
+def test_unknown_layer_lookup():
+    manifest = parse_manifest(json.dumps(_manifest()))
+    with pytest.raises(KeyError, match="layer 7"):
+        manifest.layer(7)
+
+
+def test_manifest_is_frozen():
+    manifest = parse_manifest(json.dumps(_manifest()))
+    with pytest.raises(Exception):
+        manifest.max_capacity = 3  # type: ignore[misc]
+
+
+# --- rejections ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", [0, 2, "1", True, 1.0, None, -1])
+def test_unknown_version(version):
+    _rejected(_manifest(version=version), "version", repr(version))
+
+
+@pytest.mark.parametrize("version", [0, 2, "1"])
+def test_unknown_version_rejected_by_model_too(version):
+    with pytest.raises(ValueError):
+        CacheManifest.model_validate(_manifest(version=version))
+
+
+def test_missing_version():
+    data = _manifest()
+    del data["version"]
+    _rejected(data, "version")
+
+
+def test_duplicate_layer_ids():
+    layers = [_layer(0), _layer(1)]
+    layers[1]["layer_id"] = 0
+    _rejected(_manifest(layers=layers), "duplicate layer id 0")
+
+
+@pytest.mark.parametrize("window", [None, 0, -3])
+def test_ring_layer_needs_positive_window(window):
+    _rejected(
+        _manifest(layers=[_layer(0), _layer(1, "ring", window)]),
+        "layer 1",
+        "ring layer needs a positive window",
+        repr(window),
+    )
+
+
+def test_ring_layer_without_window_key():
+    layer = _layer(0, "ring")
+    del layer["window"]
+    _rejected(_manifest(layers=[layer]), "ring layer needs a positive window")
+
+
+def test_flat_layer_with_window():
+    _rejected(_manifest(layers=[_layer(0, "flat", 8)]), "layer 0", "flat layer", "window=8")
+
+
+def test_unknown_policy():
+    _rejected(_manifest(layers=[_layer(0, "paged")]), "policy", "paged")
+
+
+@pytest.mark.parametrize("max_write", [0, -1])
+def test_max_write_not_positive(max_write):
+    _rejected(_manifest(max_write=max_write), "max_write")
+
+
+def test_max_write_beyond_capacity():
+    _rejected(_manifest(max_write=257), "max_write=257", "max_capacity=256")
+
+
+def test_initial_capacity_beyond_max():
+    _rejected(_manifest(initial_capacity=512), "initial_capacity=512", "max_capacity=256")
+
+
+@pytest.mark.parametrize("field", ["batch_size", "max_capacity", "initial_capacity"])
+def test_non_positive_sizes(field):
+    _rejected(_manifest(**{field: 0}), field)
+
+
+def test_duplicate_storage_names():
+    layers = [_layer(0), _layer(1)]
+    layers[1]["v"]["name"] = layers[0]["k"]["name"]
+    _rejected(_manifest(layers=layers), "storage input name", repr("kv_k_0"), "used twice")
+
+
+def test_duplicate_storage_name_within_a_layer():
+    layer = _layer(0)
+    layer["v"]["name"] = layer["k"]["name"]
+    _rejected(_manifest(layers=[layer]), "used twice")
+
+
+def test_duplicate_storage_indices():
+    layers = [_layer(0), _layer(1)]
+    layers[1]["k"]["index"] = layers[0]["v"]["index"]
+    _rejected(_manifest(layers=layers), "storage input index 3 used twice")
+
+
+@pytest.mark.parametrize("bad", [{"name": "", "index": 2}, {"name": "k", "index": -1}])
+def test_bad_storage_input(bad):
+    layer = _layer(0)
+    layer["k"] = bad
+    _rejected(_manifest(layers=[layer]), "layers.0.k")
+
+
+@pytest.mark.parametrize("field", ["kv_heads", "head_dim", "v_head_dim"])
+def test_non_positive_layer_dims(field):
+    layer = _layer(0)
+    layer[field] = 0
+    _rejected(_manifest(layers=[layer]), field)
+
+
+def test_no_layers():
+    _rejected(_manifest(layers=[]), "layers")
+
+
+def test_bad_storage_dtype():
+    _rejected(_manifest(storage_dtype="int8"), "storage_dtype")
+
+
+@pytest.mark.parametrize("text", ["", "{", "not json", "{'version': 1}", b"\xff\xfe\x00"])
+def test_invalid_json(text):
+    _rejected(text, "not valid JSON")
+
+
+@pytest.mark.parametrize("value", [[], 1, "manifest", None])
+def test_json_that_is_not_an_object(value):
+    _rejected(value)
+
+
+def test_unknown_top_level_field():
+    _rejected(_manifest(max_capacty=5), "max_capacty")
+
+
+def test_unknown_layer_field():
+    layer = _layer(0)
+    layer["rope"] = "yes"
+    _rejected(_manifest(layers=[layer]), "rope")
+
+
+def test_unknown_storage_field():
+    layer = _layer(0)
+    layer["k"] = dict(layer["k"], dtype="float32")
+    _rejected(_manifest(layers=[layer]), "dtype")
+
+
+def test_missing_required_field():
+    data = _manifest()
+    del data["max_write"]
+    _rejected(data, "max_write")
+
+
+def test_rejection_does_not_mutate_input():
+    data = _manifest(max_write=0)
+    before = copy.deepcopy(data)
+    _rejected(data)
+    assert data == before
+
+
+# --- CacheConfig -----------------------------------------------------------------------------
+
+
+def test_cache_config_defaults_and_policy():
+    config = CacheConfig()
+    assert config.storage_dtype == "float32"
+    assert config.initial_capacity <= config.max_capacity
+    assert config.max_write <= config.max_capacity
+    assert config.policy(0) == "flat" and config.window(0) is None
+
+    config = CacheConfig(max_capacity=64, initial_capacity=8, max_write=16, ring_windows={1: 4})
+    assert config.policy(0) == "flat" and config.window(0) is None
+    assert config.policy(1) == "ring" and config.window(1) == 4
+
+
+def test_cache_config_round_trip():
+    config = CacheConfig(
+        max_capacity=64, initial_capacity=8, max_write=16, storage_dtype="bfloat16", ring_windows={1: 4}
+    )
+    assert CacheConfig.model_validate_json(config.model_dump_json()) == config
+
+
+def test_cache_config_is_frozen():
+    config = CacheConfig()
+    with pytest.raises(Exception):
+        config.max_capacity = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragments"),
+    [
+        ({"max_capacity": 8, "initial_capacity": 16, "max_write": 4}, ["initial_capacity=16", "max_capacity=8"]),
+        ({"max_capacity": 8, "initial_capacity": 4, "max_write": 9}, ["max_write=9", "max_capacity=8"]),
+        ({"ring_windows": {0: 0}}, ["ring layer 0", "positive window", "0"]),
+        ({"ring_windows": {2: -4}}, ["ring layer 2", "positive window", "-4"]),
+        ({"max_capacity": 0}, ["max_capacity"]),
+        ({"initial_capacity": 0}, ["initial_capacity"]),
+        ({"max_write": 0}, ["max_write"]),
+        ({"storage_dtype": "int8"}, ["storage_dtype"]),
+        ({"max_capcity": 5}, ["max_capcity"]),
+    ],
+)
+def test_cache_config_rejections(kwargs, fragments):
+    with pytest.raises(ValueError) as info:
+        CacheConfig(**kwargs)
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
