@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import sys
@@ -15,7 +16,7 @@ import torch
 from offgraph_export.errors import OffgraphError
 from offgraph_export.specs.cache_config import CacheConfig
 
-__all__ = ["ModelBundle", "resolve_factory", "load_bundle"]
+__all__ = ["ModelBundle", "resolve_factory", "load_bundle", "parse_factory_args", "cast_bundle"]
 
 
 @dataclass
@@ -71,6 +72,32 @@ def resolve_factory(spec: str) -> Callable[..., ModelBundle]:
     if not callable(factory):
         raise OffgraphError(f"{module_part!r} has no callable {func_name!r}")
     return factory
+
+
+def parse_factory_args(pairs: list[str] | tuple[str, ...]) -> dict[str, object]:
+    """``["n_layers=3", "ring_window=None"]`` -> ``{"n_layers": 3, "ring_window": None}``."""
+    out: dict[str, object] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.isidentifier():
+            raise OffgraphError(f"factory argument {pair!r} must look like NAME=VALUE")
+        try:
+            out[key] = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            out[key] = raw
+    return out
+
+
+def cast_bundle(bundle: ModelBundle, dtype: str | None) -> ModelBundle:
+    """Cast the model's floating weights to ``dtype`` and store the cache in it too."""
+    if dtype is None:
+        return bundle
+    torch_dtype = getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype) or not torch_dtype.is_floating_point:
+        raise OffgraphError(f"dtype {dtype!r} is not a floating torch dtype (float32, float16, bfloat16)")
+    bundle.model = bundle.model.to(torch_dtype)
+    bundle.cache_config = bundle.cache_config.model_copy(update={"storage_dtype": dtype})
+    return bundle
 
 
 def load_bundle(spec: str, **kwargs) -> ModelBundle:

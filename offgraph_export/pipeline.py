@@ -54,7 +54,7 @@ class LoweredProgram:
     manifest: CacheManifest
     step_impl: str
 
-    def artifact_specs(self, device: str, model: str = "") -> ArtifactSpecs:
+    def artifact_specs(self, device: str, **model_info) -> ArtifactSpecs:
         nodes = user_input_nodes(self.stripped)[: len(self.exported.graph_signature.user_inputs)]
         width_node = nodes[self.step_width.input_index]
         width_symbol = str(width_node.meta["val"].shape[self.step_width.dim])
@@ -85,7 +85,7 @@ class LoweredProgram:
             inputs=inputs,
             symbols=symbols,
             torch_version=torch.__version__,
-            model=model,
+            **model_info,
         )
 
 
@@ -124,8 +124,9 @@ def run_passes(
     return LoweredProgram(ep, stripped, step_width, manifest, step_impl)
 
 
-def lower(program: LoweredProgram, path: str | Path, device: str, model: str = "") -> Path:
-    return compile_package(program.stripped, path, program.artifact_specs(device, model))
+def lower(program: LoweredProgram, path: str | Path, device: str, **model_info) -> Path:
+    """``model_info``: ``model``, ``model_args``, ``model_dtype`` recorded for check/run."""
+    return compile_package(program.stripped, path, program.artifact_specs(device, **model_info))
 
 
 def export_and_lower(
@@ -133,8 +134,8 @@ def export_and_lower(
     path: str | Path,
     device: str = "cpu",
     step_impl: str | None = None,
-    model_name: str = "",
     progress: Progress = _noop,
+    **model_info,
 ) -> tuple[Path, LoweredProgram, dict[str, float]]:
     """Export, run the passes and lower ``bundle`` to ``path``; returns timings in seconds."""
     impl = step_impl or default_step_impl(device)
@@ -151,6 +152,6 @@ def export_and_lower(
     timings["passes_s"] = time.perf_counter() - t0
     progress(f"compiling with AOTInductor for {device} (tens of seconds)")
     t0 = time.perf_counter()
-    out = lower(program, path, device, model_name)
+    out = lower(program, path, device, **model_info)
     timings["compile_s"] = time.perf_counter() - t0
     return out, program, timings

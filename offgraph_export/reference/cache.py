@@ -72,7 +72,7 @@ def attend_by_position(
 
 class ReferenceLayerCache:
     """History of one layer. Flat keeps every row up to ``capacity``; ring keeps the newest
-    ``window`` rows (all a later query can see)."""
+    ``window`` rows before each step (all that step's queries can see) plus the step's own rows."""
 
     def __init__(self, layer_id: int, policy: str, capacity: int, window: int | None = None) -> None:
         if policy not in ("flat", "ring"):
@@ -114,6 +114,12 @@ class ReferenceLayerCache:
                 f"layer {self.layer_id}: writing {width} tokens at length {self.length} exceeds the "
                 f"cache capacity of {self.capacity} tokens"
             )
+        if self.window is not None and self.keys is not None and self.keys.shape[2] > self.window:
+            # Older rows are invisible to every later query; the last step's rows stay whole
+            # until the next step so that they can be inspected (``rows_at``).
+            self.keys = self.keys[:, :, -self.window :]
+            self.values = self.values[:, :, -self.window :]
+            self.positions = self.positions[-self.window :]
         if self.keys is None:
             self.keys, self.values, self.positions = k, v, pos
         else:
@@ -125,10 +131,6 @@ class ReferenceLayerCache:
         out = attend_by_position(
             q, self.keys, self.values, pos, self.positions, scale, self.window, out_dtype
         )
-        if self.window is not None and self.keys.shape[2] > self.window:
-            self.keys = self.keys[:, :, -self.window :]
-            self.values = self.values[:, :, -self.window :]
-            self.positions = self.positions[-self.window :]
         return out
 
     def rows_at(self, positions: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -60,6 +60,8 @@ class ArtifactSpecs(BaseModel):
     symbols: dict[str, SymbolRange] = Field(default_factory=dict)
     torch_version: str
     model: str = ""
+    model_args: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
+    model_dtype: str | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> "ArtifactSpecs":

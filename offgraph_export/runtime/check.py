@@ -1,0 +1,300 @@
+"""Check compiled steps against their spec and against the eager oracle.
+
+A check replays a scripted session (prefill in chunks, then decode) through the artifact and
+through the eager model over reference caches (same weights), and after every step asserts:
+  * outputs match within the dtype's tolerance;
+  * the storage rows that changed are exactly the rows of positions ``[used, used + width)``
+    (flat: row = position, ring: position mod rows); every other row is bit-identical, and flat
+    rows past the history, poisoned with NaN before the step, are still NaN;
+  * the written rows hold the oracle's K/V for those positions;
+  * the width read from the spec equals the number of rows written.
+Before the replay it checks that the manifest matches the program's storage inputs and the
+layers the eager model really has. The default script crosses two growth boundaries and wraps
+every ring layer. The result is a :class:`CheckReport`; :func:`assert_artifact_matches` raises
+:class:`CheckFailed` carrying it, so a CI lowering check is one line in pytest.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, Field
+
+from offgraph_export.errors import CheckFailed, OffgraphError
+from offgraph_export.models import ModelBundle, load_bundle
+from offgraph_export.reference.cache import ReferenceCaches
+from offgraph_export.runtime.artifact import Artifact
+from offgraph_export.specs.cache_config import CacheConfig
+from offgraph_export.specs.manifest import CacheManifest
+
+__all__ = [
+    "StepReport",
+    "CheckReport",
+    "default_schedule",
+    "check_artifact",
+    "assert_artifact_matches",
+    "TOLERANCES",
+]
+
+# (atol, rtol) on outputs, by the dtype the model computes in.
+TOLERANCES = {
+    torch.float32: (1e-4, 1e-4),
+    torch.float16: (2e-2, 2e-2),
+    torch.bfloat16: (6e-2, 6e-2),
+}
+
+
+class StepReport(BaseModel):
+    index: int
+    kind: str
+    start: int
+    width: int
+    width_from_spec: int
+    rows_written: dict[str, list[int]] = Field(default_factory=dict)
+    max_abs_err: float = 0.0
+    tolerance: float = 0.0
+    storage_max_err: float = 0.0
+    grew_to: int | None = None
+    problems: list[str] = Field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+class CheckReport(BaseModel):
+    artifact: str
+    model: str
+    device: str
+    seed: int
+    schedule: list[int]
+    passed: bool = False
+    problems: list[str] = Field(default_factory=list)
+    notes: list[str] = Field(default_factory=list)
+    growths: int = 0
+    ring_wraps: dict[str, bool] = Field(default_factory=dict)
+    steps: list[StepReport] = Field(default_factory=list)
+
+    def render(self) -> str:
+        lines = [
+            f"check {self.artifact} against {self.model or 'the eager model'} on {self.device}: "
+            + ("PASSED" if self.passed else "FAILED"),
+            f"  schedule (tokens per step): {self.schedule}",
+            f"  growths: {self.growths}; ring wraps: "
+            + (", ".join(f"layer {k}: {'yes' if v else 'no'}" for k, v in self.ring_wraps.items()) or "none"),
+        ]
+        lines += [f"  problem: {p}" for p in self.problems]
+        lines += [f"  note: {n}" for n in self.notes]
+        lines.append("  step kind     start width spec  max|err|    tol       storage  grew")
+        for s in self.steps:
+            mark = "ok  " if s.ok else "FAIL"
+            grew = str(s.grew_to) if s.grew_to else ""
+            lines.append(
+                f"  {mark} {s.index:<3d} {s.kind:<7s} {s.start:5d} {s.width:5d} {s.width_from_spec:4d}  "
+                f"{s.max_abs_err:9.2e} {s.tolerance:9.2e} {s.storage_max_err:9.2e}  {grew}"
+            )
+            lines += [f"       - {p}" for p in s.problems]
+        return "\n".join(lines)
+
+
+def default_schedule(
+    manifest: CacheManifest, decode_steps: int = 16, prefill_chunks: int = 3, seed: int = 0
+) -> list[int]:
+    """Chunked prefill then ``decode_steps`` single tokens, long enough to cross two growth
+    boundaries and wrap every ring layer (bounded by max capacity)."""
+    rng = random.Random(seed)
+    needed = decode_steps + prefill_chunks
+    if manifest.has_flat:
+        needed = max(needed, 2 * manifest.initial_capacity + 2)
+    for layer in manifest.layers:
+        if layer.policy == "ring":
+            needed = max(needed, layer.rows(0, manifest.max_write) + 2)
+    needed = min(needed, manifest.max_capacity) if manifest.has_flat else needed
+    prefill = max(prefill_chunks, needed - decode_steps)
+    chunks = max(prefill_chunks, -(-prefill // manifest.max_write))
+    cuts = sorted(rng.sample(range(1, prefill), chunks - 1)) if chunks > 1 else []
+    sizes = [b - a for a, b in zip([0, *cuts], [*cuts, prefill])]
+    if any(s > manifest.max_write for s in sizes):  # fall back to even chunks
+        sizes = [prefill // chunks + (1 if i < prefill % chunks else 0) for i in range(chunks)]
+    decode = [1] * max(0, min(decode_steps, manifest.max_capacity - prefill) if manifest.has_flat else decode_steps)
+    return sizes + decode
+
+
+def _changed_rows(before: torch.Tensor, after: torch.Tensor) -> list[int]:
+    same = (before == after) | (torch.isnan(before) & torch.isnan(after))
+    changed = (~same).any(dim=3).any(dim=1).any(dim=0)
+    return changed.nonzero().flatten().tolist()
+
+
+def _oracle_config(manifest: CacheManifest) -> CacheConfig:
+    return CacheConfig(
+        max_capacity=manifest.max_capacity,
+        initial_capacity=manifest.initial_capacity,
+        max_write=manifest.max_write,
+        storage_dtype=manifest.storage_dtype,
+        ring_windows={l.layer_id: l.window for l in manifest.layers if l.policy == "ring"},
+    )
+
+
+def _check_manifest_storage(session, manifest: CacheManifest) -> list[str]:
+    problems = []
+    bound = session.storage.bound()
+    for storage, tensor in zip(manifest.storage_inputs(), bound):
+        layer = next(l for l in manifest.layers if storage in (l.k, l.v))
+        dim = layer.head_dim if storage == layer.k else layer.v_head_dim
+        want = (manifest.batch_size, layer.kv_heads, layer.rows(session.storage.capacity, manifest.max_write), dim)
+        if tuple(tensor.shape) != want:
+            problems.append(f"storage {storage.name}: shape {tuple(tensor.shape)} but manifest says {want}")
+    return problems
+
+
+def _check_manifest_model(ref: ReferenceCaches, manifest: CacheManifest) -> list[str]:
+    problems = []
+    for layer in manifest.layers:
+        cache = ref[layer.layer_id]
+        if cache.keys is None:
+            problems.append(f"manifest layer {layer.layer_id}: the eager model never wrote this layer")
+            continue
+        got = (cache.keys.shape[1], cache.keys.shape[3], cache.values.shape[3])
+        want = (layer.kv_heads, layer.head_dim, layer.v_head_dim)
+        if got != want:
+            problems.append(
+                f"layer {layer.layer_id}: eager model writes (kv_heads, head_dim, v_head_dim)={got}, "
+                f"manifest says {want}"
+            )
+    return problems
+
+
+def check_artifact(
+    artifact: Artifact | str | Path,
+    bundle: ModelBundle | str,
+    schedule: Sequence[int] | None = None,
+    decode_steps: int = 16,
+    prefill_chunks: int = 3,
+    seed: int = 0,
+) -> CheckReport:
+    """Replay a session through ``artifact`` and the eager ``bundle``; never raises for a
+    mismatch (see the report), only for unusable inputs."""
+    model_name = bundle if isinstance(bundle, str) else ""
+    if isinstance(bundle, str):
+        bundle = load_bundle(bundle)
+    if not isinstance(artifact, Artifact):
+        artifact = Artifact.load(artifact)
+    manifest = artifact.specs.manifest
+    device = artifact.device
+    sched = list(schedule) if schedule is not None else default_schedule(manifest, decode_steps, prefill_chunks, seed)
+    report = CheckReport(
+        artifact=str(artifact.path), model=model_name or artifact.specs.model, device=str(device),
+        seed=seed, schedule=sched,
+    )
+    model = bundle.model.to(device)
+    out_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    atol, rtol = TOLERANCES.get(out_dtype, TOLERANCES[torch.float32])
+    s_atol, s_rtol = TOLERANCES.get(getattr(torch, manifest.storage_dtype), TOLERANCES[torch.float32])
+    gen = torch.Generator().manual_seed(seed)
+    batch = manifest.batch_size
+    tokens = torch.randint(0, bundle.vocab_size, (batch, sum(sched)), generator=gen).to(device)
+    ref = ReferenceCaches(_oracle_config(manifest), manifest.layer_ids)
+    session = artifact.new_session(poison=True)
+    report.problems += _check_manifest_storage(session, manifest)
+    spec = artifact.specs.width
+    storage_names = [s.name for s in manifest.storage_inputs()]
+    layer_of = {s.name: l for l in manifest.layers for s in (l.k, l.v)}
+    used = 0
+    with torch.no_grad():
+        for index, width in enumerate(sched):
+            inputs = bundle.make_inputs(tokens[:, used : used + width], used)
+            step = StepReport(
+                index=index, kind="prefill" if width > 1 or index == 0 else "decode", start=used,
+                width=width, width_from_spec=int(inputs[spec.input_index].shape[spec.dim]),
+            )
+            report.steps.append(step)
+            growths_before = session.storage.growth_count
+            try:
+                session.prepare(inputs)
+            except OffgraphError as exc:
+                step.problems.append(f"step refused: {exc}")
+                break
+            if session.storage.growth_count != growths_before:
+                step.grew_to = session.storage.capacity
+            session.storage.poison_from(used)
+            before = [t.clone() for t in session.storage.bound()]
+            try:
+                outputs = session.run(inputs, width)
+            except Exception as exc:  # the compiled program failed: report, stop the replay
+                step.problems.append(f"compiled step raised: {str(exc).splitlines()[0]}")
+                break
+            session.commit(width)
+            with ref.activate():
+                expected = model(*inputs)
+            expected = expected if isinstance(expected, (tuple, list)) else (expected,)
+            if index == 0:
+                report.problems += _check_manifest_model(ref, manifest)
+            got, want = outputs[0].float(), expected[0].float()
+            if got.shape != want.shape:
+                step.problems.append(f"output shape {tuple(got.shape)} != eager {tuple(want.shape)}")
+            else:
+                step.max_abs_err = float((got - want).abs().max())
+                step.tolerance = atol + rtol * float(want.abs().max())
+                if not step.max_abs_err <= step.tolerance:  # also catches NaN
+                    step.problems.append(
+                        f"output differs from eager by {step.max_abs_err:.3e} > tolerance {step.tolerance:.3e}"
+                    )
+            positions = list(range(used, used + width))
+            for name, old, new in zip(storage_names, before, session.storage.bound()):
+                layer = layer_of[name]
+                rows = new.shape[2]
+                expected_rows = sorted({p % rows for p in positions}) if layer.policy == "ring" else positions
+                written = _changed_rows(old, new)
+                step.rows_written[name] = written
+                if written != expected_rows:
+                    step.problems.append(
+                        f"{name}: rows written {_span(written)}, expected {_span(expected_rows)} "
+                        f"(positions {used}..{used + width - 1})"
+                    )
+                if len(written) != step.width_from_spec and layer.policy == "flat":
+                    step.problems.append(
+                        f"{name}: spec width {step.width_from_spec} but {len(written)} rows written"
+                    )
+                k_ref, v_ref = ref[layer.layer_id].rows_at(positions)
+                row_idx = torch.tensor([p % rows if layer.policy == "ring" else p for p in positions], device=new.device)
+                want_rows = (k_ref if name == layer.k.name else v_ref).float()
+                got_rows = new[:, :, row_idx].float()
+                err = float((got_rows - want_rows).abs().max())
+                step.storage_max_err = max(step.storage_max_err, err)
+                if not err <= s_atol + s_rtol * float(want_rows.abs().max()):
+                    step.problems.append(f"{name}: stored rows differ from the oracle's K/V by {err:.3e}")
+            if step.width_from_spec != width:
+                step.problems.append(f"spec width {step.width_from_spec} != tokens fed {width}")
+            used += width
+    report.growths = session.storage.growth_count
+    for layer in manifest.layers:
+        if layer.policy == "ring":
+            report.ring_wraps[str(layer.layer_id)] = used > layer.rows(0, manifest.max_write)
+    if manifest.has_flat and report.growths < 2:
+        report.notes.append(f"the schedule crossed {report.growths} growth boundaries (wanted >= 2)")
+    for lid, wrapped in report.ring_wraps.items():
+        if not wrapped:
+            report.notes.append(f"ring layer {lid} did not wrap")
+    report.passed = not report.problems and all(s.ok for s in report.steps) and len(report.steps) == len(sched)
+    session.close()
+    return report
+
+
+def _span(rows: list[int]) -> str:
+    if not rows:
+        return "none"
+    if rows == list(range(rows[0], rows[-1] + 1)):
+        return f"[{rows[0]}, {rows[-1] + 1})"
+    return str(rows)
+
+
+def assert_artifact_matches(artifact: Artifact | str | Path, bundle: ModelBundle | str, **kwargs) -> CheckReport:
+    """Run :func:`check_artifact`; raise :class:`CheckFailed` (an AssertionError) with the report."""
+    report = check_artifact(artifact, bundle, **kwargs)
+    if not report.passed:
+        raise CheckFailed(report.render(), report)
+    return report

@@ -1,0 +1,60 @@
+"""Shared fixtures. AOTInductor compiles cost 10-30 s each on a CI machine, so compiled
+artifacts are built once per test session and shared."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = str(ROOT / "examples" / "tiny_llama.py") + ":build"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu_check.sh on the GPU machine)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """Run the ``offgraph-export`` CLI in a fresh interpreter."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "offgraph_export", *args], capture_output=True, text=True, cwd=ROOT
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"offgraph-export {' '.join(args)} exited {proc.returncode}:\n{proc.stderr}\n{proc.stdout}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def example_factory() -> str:
+    return EXAMPLE
+
+
+@pytest.fixture(scope="session")
+def example_artifact(tmp_path_factory) -> Path:
+    """The bundled example (layer 0 flat, layer 1 ring of 16), exported through the CLI for cpu."""
+    out = tmp_path_factory.mktemp("artifacts") / "tiny.pt2"
+    cli("export", EXAMPLE, "-o", str(out))
+    return out
+
+
+@pytest.fixture(scope="session")
+def loaded_example(example_artifact):
+    from offgraph_export.runtime import Artifact
+
+    return Artifact.load(example_artifact)
+
+
+@pytest.fixture
+def example_bundle():
+    from offgraph_export.models import load_bundle
+
+    return load_bundle(EXAMPLE)
