@@ -37,4 +37,8 @@ def update_and_attend(
 def _update_and_attend_fake(q, k, v, position, layer_id, scale, out_dtype):
     torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4, lambda: "q, k, v must be BHSD")
     b, hq, t, _ = q.shape
+    # Tie the extents together so export sees one token-width symbol for q, k, v and position.
+    torch._check(k.shape[2] == t, lambda: "k must have as many tokens as q")
+    torch._check(v.shape[2] == t, lambda: "v must have as many tokens as q")
+    torch._check(position.shape[0] == t, lambda: "position must have one entry per token")
     return q.new_empty((b, hq, t, v.shape[-1]), dtype=out_dtype)

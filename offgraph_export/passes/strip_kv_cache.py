@@ -186,11 +186,10 @@ def strip_kv_cache(
     input_shapes, _ = _input_dynamic_shapes(ep)
     taken = {int(s) for x in example_inputs for s in x.shape}
     capacity = _example_capacity(manifest, taken)
-    cap_dim = dynamic_dim(2, manifest.max_capacity) if manifest.has_flat else None
     dtype = getattr(torch, manifest.storage_dtype)
     device = example_inputs[0].device
     storage_args: list[torch.Tensor] = []
-    storage_shapes: list[dict[int, Dim]] = []
+    flat: list[bool] = []
     for s in manifest.storage_inputs():
         layer = next(l for l in manifest.layers if s in (l.k, l.v))
         rows = layer.rows(capacity, manifest.max_write)
@@ -198,14 +197,28 @@ def strip_kv_cache(
         storage_args.append(
             torch.zeros(manifest.batch_size, layer.kv_heads, rows, dim, dtype=dtype, device=device)
         )
-        storage_shapes.append({2: cap_dim} if layer.policy == "flat" else {})
-    try:
-        new_ep = torch.export.export(
+        flat.append(layer.policy == "flat")
+
+    def trace(capacity_dim: Callable[[], object]) -> ExportedProgram:
+        storage_shapes = [{2: capacity_dim()} if f else {} for f in flat]
+        return torch.export.export(
             stripped,
             (*example_inputs, *storage_args),
             dynamic_shapes=(*input_shapes, *storage_shapes),
             strict=False,
         )
+
+    shared = Dim("capacity", min=2, max=manifest.max_capacity)
+    try:
+        try:
+            # One named dimension shared by every flat layer: they grow together.
+            new_ep = trace(lambda: shared)
+        except torch._dynamo.exc.UserError as exc:
+            if exc.error_type != torch._dynamo.exc.UserErrorType.CONSTRAINT_VIOLATION:
+                raise
+            # Some torch versions cannot prove guards over a strict named range (see
+            # dynamic_dim); fall back to one range hint per flat storage input.
+            new_ep = trace(lambda: dynamic_dim(2, manifest.max_capacity))
     except Exception as exc:  # export raises many types; re-raise as ours with the cause chained
         raise ExportError(f"re-tracing the stripped program failed: {exc}") from exc
 

@@ -1,0 +1,567 @@
+"""Triton lowered step for CUDA: write this step's K/V rows into storage in place, then attend over
+the valid rows only, reading nothing beyond them.
+
+Same contract as :func:`offgraph_export.lowering.portable.portable_update_and_attend` (the
+reference semantics); see DESIGN.md, "The lowered step". Why kernels rather than aten: the portable
+step scores every storage row and masks afterwards, so its cost grows with the *capacity*; these
+kernels take their loop bounds from the positions (read on the device), so a decode step costs what
+the live history costs.
+
+How it is put together
+----------------------
+* One custom op, ``offgraph_lowered::triton_update_and_attend``, made with
+  ``torch.library.triton_op`` and declared to mutate ``k_store``/``v_store``. ``torch.export``
+  keeps it as one node; AOTInductor traces into it and compiles the kernels (launched through
+  ``torch.library.wrap_triton``) into the package, so the compiled step never calls Python.
+* Host code only does shape arithmetic: every size may be a SymInt during export (the token width
+  ``T`` and the flat storage's ``rows`` are dynamic), so grids are plain integer expressions and
+  there is no Python control flow on tensor values. Positions are read inside the kernels (no
+  ``.item()``: the step is compiled ahead of time and may be replayed as a CUDA graph).
+* Kernels, launched in this order on one stream:
+
+  1. ``_write_rows_kernel``: one program per (token, batch x kv head) copies the k and v rows
+     (cast to the storage dtype) to row = position (flat) or position mod rows (ring).
+  2. ``_attend_kernel``: flash attention with an online softmax in fp32. A tile's query rows are
+     (token, query head of the group) pairs of one kv head, so GQA/MQA reads each K/V row once per
+     kv head, never materializing repeated heads. It loops only over the absolute positions its
+     queries may see: ``[0, max_pos]`` (flat, clipped to ``rows``) or
+     ``[min_pos - window + 1, max_pos]`` clipped to the positions the ring still holds (ring).
+     Those rows were all written, so poisoned (NaN) rows outside are never loaded.
+  3. ``_combine_splits_kernel``: the flash-decoding reduce, see below.
+
+Choosing the split-K (flash-decoding) path
+------------------------------------------
+A decode step has one query tile per kv head, which would leave most of the GPU idle over a long
+history. So the attention kernel is launched twice per step with grids that are complementary
+integer expressions of ``T`` (one of them is always empty, and an empty grid launches nothing,
+eagerly and in AOTInductor alike):
+
+* small steps (``T <= _small_t(group)``: the step's query rows of a kv head fit one tile, e.g. decode)
+  run the *split* variant: grid ``(tiles, B*Hkv, S)`` where ``S`` (static, from ``B*Hkv``) is how
+  many programs may share one tile's key range. On the device each tile cuts its own valid key range
+  into chunks of at least ``_MIN_SPLIT_KEYS`` keys, so a short history uses one split (which writes
+  the output directly; the reduce then does nothing) and a long one uses up to ``S`` splits that
+  write partial ``(max, sum, acc)`` rows which ``_combine_splits_kernel`` merges.
+* larger steps (prefill) run the *tiled* variant with bigger query tiles and no split.
+
+Both variants are complete implementations, so whichever one a compiler ends up keeping for a given
+``T`` gives the right answer; the choice only affects speed.
+"""
+
+import math
+
+import torch
+
+from offgraph_export.errors import ExportError
+
+__all__ = ["triton_update_and_attend", "triton_available", "OP_NAME"]
+
+OP_NAME = "offgraph_lowered::triton_update_and_attend"
+
+
+def _missing_triton(exc: ImportError):
+    """Stand-ins for ``triton``/``triton.language`` when triton is not installed: just enough for
+    the kernel definitions below to be evaluated (never run), so that importing this module always
+    works and only *using* it raises :class:`ExportError`."""
+
+    class _Triton:
+        error = exc
+
+        @staticmethod
+        def jit(fn=None, **_kwargs):
+            return fn if fn is not None else (lambda f: f)
+
+    class _Language:
+        constexpr = object
+
+    return _Triton, _Language
+
+
+try:
+    import triton
+    import triton.language as tl
+
+    _TRITON_IMPORT_ERROR: ImportError | None = None
+except ImportError as _exc:  # pragma: no cover - exercised on machines without triton
+    triton, tl = _missing_triton(_exc)
+    _TRITON_IMPORT_ERROR = _exc
+
+
+def triton_available() -> bool:
+    """Whether triton imported, i.e. whether :func:`triton_update_and_attend` can be used."""
+    return _TRITON_IMPORT_ERROR is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Tuning constants (host side; the kernels receive them as arguments or constexprs).
+# ---------------------------------------------------------------------------------------------
+
+#: Programs the split variant aims for in total (about two per SM of an H100/H200).
+_SPLIT_TARGET_PROGRAMS = 256
+#: Upper bound on splits per query tile; also sizes the partial-result buffers.
+_MAX_SPLITS = 64
+#: A split gets at least this many keys, so short histories are not cut into tiny pieces (each
+#: split writes a partial row and costs a program).
+_MIN_SPLIT_KEYS = 256
+#: Query-tile height of the tiled (prefill) variant.
+_TILED_BLOCK_M = 64
+#: Keeps ``small`` in {0, 1} for any T below it: see :func:`_is_small_step`.
+_BIG = 1 << 30
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _write_rows_kernel(
+    k_ptr, v_ptr, pos_ptr, k_store_ptr, v_store_ptr,
+    sk_b, sk_h, sk_t, sk_d,
+    sv_b, sv_h, sv_t, sv_d,
+    sks_b, sks_h, sks_r, sks_d,
+    svs_b, svs_h, svs_r, svs_d,
+    pos_stride, rows, n_kv_heads,
+    HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_RING: tl.constexpr,
+):
+    """Program (t, b * Hkv + h): copy token t's k and v rows of kv head h into storage.
+
+    The row comes from the position read here on the device. Writes outside ``[0, rows)`` are
+    dropped rather than done: the runtime never asks for them, and a stray write would corrupt
+    memory (the portable step would raise instead)."""
+    t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // n_kv_heads).to(tl.int64)
+    h = (pid_bh % n_kv_heads).to(tl.int64)
+    pos = tl.load(pos_ptr + t * pos_stride)
+    if IS_RING:
+        row = pos % rows
+    else:
+        row = pos
+    in_range = (row >= 0) & (row < rows)
+
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < tl.where(in_range, HEAD_DIM, 0)
+    key = tl.load(k_ptr + b * sk_b + h * sk_h + t * sk_t + offs_d * sk_d, mask=d_ok, other=0.0)
+    tl.store(
+        k_store_ptr + b * sks_b + h * sks_h + row * sks_r + offs_d * sks_d,
+        key.to(k_store_ptr.dtype.element_ty),
+        mask=d_ok,
+    )
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < tl.where(in_range, V_DIM, 0)
+    val = tl.load(v_ptr + b * sv_b + h * sv_h + t * sv_t + offs_dv * sv_d, mask=dv_ok, other=0.0)
+    tl.store(
+        v_store_ptr + b * svs_b + h * svs_h + row * svs_r + offs_dv * svs_d,
+        val.to(v_store_ptr.dtype.element_ty),
+        mask=dv_ok,
+    )
+
+
+@triton.jit
+def _rows_if(offs_m, n_rows, cond):
+    """``offs_m < n_rows`` where the scalar ``cond`` holds, else all false.
+
+    Written as one comparison rather than ``(offs_m < n_rows) & cond``: the Triton interpreter
+    (used by the CPU tests) turns a block ``&`` a scalar bool into an int mask it then rejects."""
+    return offs_m < tl.where(cond, n_rows, 0)
+
+
+@triton.jit
+def _tile_queries(pos_ptr, pos_stride, T, pid_m, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The query rows of tile ``pid_m``: row m is token ``m // GROUP`` of query head
+    ``m % GROUP`` within the kv head's group. Returns (token, head-in-group, row is real, the
+    row's absolute position as int32, the row indices)."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < GROUP * T
+    tok = offs_m // GROUP
+    grp = offs_m % GROUP
+    qpos = tl.load(pos_ptr + tok * pos_stride, mask=row_ok, other=0).to(tl.int32)
+    return tok, grp, row_ok, qpos, offs_m
+
+
+@triton.jit
+def _tile_key_range(pos_ptr, pos_stride, T, rows, window, qpos, row_ok, IS_RING: tl.constexpr):
+    """Absolute positions ``[lo, hi)`` some query of the tile may attend to, as int32 scalars.
+
+    flat: ``[0, max_pos]``, clipped to the storage (row = position).
+    ring: ``(min_pos - window, max_pos]``, clipped to positions >= 0 (written at all) and to the
+    ``rows`` newest positions (the ones the ring still holds after this step's writes, whose last
+    position is ``position[T-1]``). Every position in the range is held by its row, so loops over it
+    never read a row that was not written. An empty tile gets ``hi <= lo``."""
+    hi = tl.max(tl.where(row_ok, qpos, -1), axis=0) + 1
+    if IS_RING:
+        last = tl.load(pos_ptr + (T - 1) * pos_stride).to(tl.int32)
+        lo = tl.min(tl.where(row_ok, qpos, 1 << 30), axis=0) - window + 1
+        lo = tl.maximum(lo, last - rows + 1)
+        lo = tl.maximum(lo, 0)
+    else:
+        lo = hi * 0
+        hi = tl.minimum(hi, rows)
+    return lo, hi
+
+
+@triton.jit
+def _split_plan(lo, hi, num_splits, MIN_SPLIT_KEYS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """How a tile's key range is cut for the split variant: (keys per split, splits used).
+
+    Chunks hold at least ``MIN_SPLIT_KEYS`` keys and a whole number of ``BLOCK_N`` blocks, so a
+    short range uses a single split. Both the attention and the combine kernel call this with the
+    same arguments, so they agree on the plan without talking to each other."""
+    n_keys = tl.maximum(hi - lo, 0)
+    chunk = (n_keys + num_splits - 1) // num_splits
+    chunk = tl.maximum(chunk, MIN_SPLIT_KEYS)
+    chunk = ((chunk + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+    n_used = tl.maximum((n_keys + chunk - 1) // chunk, 1)
+    return chunk, n_used
+
+
+@triton.jit
+def _attend_kernel(
+    q_ptr, k_store_ptr, v_store_ptr, pos_ptr, out_ptr,
+    part_acc_ptr, part_m_ptr, part_l_ptr,
+    sq_b, sq_h, sq_t, sq_d,
+    sk_b, sk_h, sk_r, sk_d,
+    sv_b, sv_h, sv_r, sv_d,
+    so_b, so_h, so_t, so_d,
+    pos_stride, T, rows, window, n_kv_heads, qk_scale, num_splits,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PART_ROWS: tl.constexpr,
+    MIN_SPLIT_KEYS: tl.constexpr,
+    IS_RING: tl.constexpr, SPLIT: tl.constexpr,
+    QK_FP32: tl.constexpr, PV_FP32: tl.constexpr,
+):
+    """Program (query tile, b * Hkv + kv head, split): online-softmax attention of the tile's
+    queries over its valid keys (``SPLIT``: over this split's chunk of them).
+
+    Scores are in the log2 domain (``qk_scale`` = scale * log2(e)) so ``exp2`` does the softmax.
+    Scores a query may not see are set to -inf *before* the max, and K/V loads outside the range
+    are masked to 0, so nothing outside the valid rows enters the sums. ``QK_FP32``/``PV_FP32``
+    pick fp32 (IEEE, not TF32) dot products when the operands are fp32 or of mixed dtypes; 16-bit
+    storage uses tensor cores with fp32 accumulation."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    split = tl.program_id(2)
+    b = (pid_bh // n_kv_heads).to(tl.int64)
+    kvh = (pid_bh % n_kv_heads).to(tl.int64)
+
+    tok, grp, row_ok, qpos, offs_m = _tile_queries(pos_ptr, pos_stride, T, pid_m, GROUP, BLOCK_M)
+    head = kvh * GROUP + grp
+    lo, hi = _tile_key_range(pos_ptr, pos_stride, T, rows, window, qpos, row_ok, IS_RING)
+    if SPLIT:
+        chunk, n_used = _split_plan(lo, hi, num_splits, MIN_SPLIT_KEYS, BLOCK_N)
+        k_lo = lo + split * chunk
+        k_hi = tl.minimum(k_lo + chunk, hi)
+    else:
+        k_lo = lo
+        k_hi = hi
+
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < V_DIM
+    q = tl.load(
+        q_ptr + b * sq_b + head[:, None] * sq_h + tok[:, None] * sq_t + offs_d[None, :] * sq_d,
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    if QK_FP32:
+        q = q.to(tl.float32)
+    k_base = k_store_ptr + b * sk_b + kvh * sk_h
+    v_base = v_store_ptr + b * sv_b + kvh * sv_h
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    for start in range(k_lo, k_hi, BLOCK_N):
+        p_abs = start + tl.arange(0, BLOCK_N)
+        key_ok = p_abs < k_hi
+        if IS_RING:
+            key_row = p_abs % rows
+        else:
+            key_row = p_abs
+        # K is loaded already transposed: [BLOCK_D, BLOCK_N].
+        k = tl.load(
+            k_base + key_row[None, :] * sk_r + offs_d[:, None] * sk_d,
+            mask=key_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )
+        if QK_FP32:
+            s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        s = s * qk_scale
+        seen = key_ok[None, :] & row_ok[:, None] & (p_abs[None, :] <= qpos[:, None])
+        if IS_RING:
+            seen = seen & (p_abs[None, :] > qpos[:, None] - window)
+        s = tl.where(seen, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row with nothing seen yet keeps m = -inf; subtract 0 then so exp2 gives 0, not NaN.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+
+        v = tl.load(
+            v_base + key_row[:, None] * sv_r + offs_dv[None, :] * sv_d,
+            mask=key_ok[:, None] & dv_ok[None, :],
+            other=0.0,
+        )
+        if PV_FP32:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    out_tile = (
+        out_ptr + b * so_b + head[:, None] * so_h + tok[:, None] * so_t + offs_dv[None, :] * so_d
+    )
+    out_mask = row_ok[:, None] & dv_ok[None, :]
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    result = (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty)
+    if SPLIT:
+        # One split in use: it holds the whole answer, and the combine kernel will skip this tile.
+        direct = _rows_if(offs_m, GROUP * T, (n_used == 1) & (split == 0))
+        tl.store(out_tile, result, mask=direct[:, None] & dv_ok[None, :])
+        # Several: leave the unnormalized partial for the combine kernel.
+        part_row = (pid_bh.to(tl.int64) * num_splits + split) * PART_ROWS + pid_m * BLOCK_M
+        part_row = part_row + tl.arange(0, BLOCK_M)
+        keep = _rows_if(offs_m, GROUP * T, (n_used > 1) & (split < n_used))
+        tl.store(part_m_ptr + part_row, m_i, mask=keep)
+        tl.store(part_l_ptr + part_row, l_i, mask=keep)
+        tl.store(
+            part_acc_ptr + part_row[:, None] * BLOCK_DV + offs_dv[None, :], acc,
+            mask=keep[:, None],
+        )
+    else:
+        tl.store(out_tile, result, mask=out_mask)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    pos_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+    so_b, so_h, so_t, so_d,
+    pos_stride, T, rows, window, n_kv_heads, num_splits,
+    GROUP: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PART_ROWS: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr,
+    IS_RING: tl.constexpr,
+):
+    """Program (query tile, b * Hkv + kv head): merge the tile's partial ``(max, sum, acc)`` rows
+    into the output: ``out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M)``, M the running max.
+
+    It recomputes the attention kernel's split plan from the positions, so it knows how many
+    partials exist; a tile that used a single split was already written and is left alone."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // n_kv_heads).to(tl.int64)
+    kvh = (pid_bh % n_kv_heads).to(tl.int64)
+    tok, grp, row_ok, qpos, offs_m = _tile_queries(pos_ptr, pos_stride, T, pid_m, GROUP, BLOCK_M)
+    head = kvh * GROUP + grp
+    lo, hi = _tile_key_range(pos_ptr, pos_stride, T, rows, window, qpos, row_ok, IS_RING)
+    chunk, n_used = _split_plan(lo, hi, num_splits, MIN_SPLIT_KEYS, BLOCK_N)
+    n_merge = tl.where(n_used > 1, n_used, 0)
+
+    offs_dv = tl.arange(0, BLOCK_DV)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    for s in range(0, n_merge):
+        part_row = (pid_bh.to(tl.int64) * num_splits + s) * PART_ROWS + pid_m * BLOCK_M
+        part_row = part_row + tl.arange(0, BLOCK_M)
+        m_s = tl.load(part_m_ptr + part_row, mask=row_ok, other=float("-inf"))
+        l_s = tl.load(part_l_ptr + part_row, mask=row_ok, other=0.0)
+        acc_s = tl.load(
+            part_acc_ptr + part_row[:, None] * BLOCK_DV + offs_dv[None, :],
+            mask=row_ok[:, None],
+            other=0.0,
+        )
+        m_new = tl.maximum(m_i, m_s)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        beta = tl.exp2(m_s - m_ref)
+        l_i = l_i * alpha + l_s * beta
+        acc = acc * alpha[:, None] + acc_s * beta[:, None]
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    result = (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty)
+    out_tile = (
+        out_ptr + b * so_b + head[:, None] * so_h + tok[:, None] * so_t + offs_dv[None, :] * so_d
+    )
+    merged = _rows_if(offs_m, GROUP * T, n_used > 1)
+    tl.store(out_tile, result, mask=merged[:, None] & (offs_dv[None, :] < V_DIM))
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side: shape arithmetic that works on ints and SymInts alike
+# ---------------------------------------------------------------------------------------------
+
+
+def _pow2_at_least(n: int, floor: int = 16) -> int:
+    """The smallest power of two >= max(n, floor) (``tl.arange`` and ``tl.dot`` need it)."""
+    return max(floor, 1 << max(0, math.ceil(math.log2(n))))
+
+
+def _split_block_m(group: int) -> int:
+    """Query-tile height of the split variant: a whole GQA group (tensor-core dots need 16 rows;
+    capped at 64 so very wide groups take several tiles)."""
+    return min(64, _pow2_at_least(group))
+
+
+def _small_t(group: int) -> int:
+    """The largest step width the split variant serves: as many tokens as fit one tile."""
+    return max(1, _split_block_m(group) // group)
+
+
+def _is_small_step(t, small_t: int):
+    """1 if ``t <= small_t`` else 0, for 1 <= t < ``_BIG``, using only floor division by a
+    constant: an expression export and AOTInductor keep symbolic (no guard, no Max/Piecewise)."""
+    return (small_t + _BIG - t) // _BIG
+
+
+def _num_splits(b, hkv: int) -> int:
+    """Splits per query tile for the split variant (static: it sizes the partial buffers). Enough
+    that ``B * Hkv * splits`` fills the GPU; a symbolic batch gets a middle value."""
+    heads = b * hkv
+    if not isinstance(heads, int):
+        return 16
+    return max(1, min(_MAX_SPLITS, _SPLIT_TARGET_PROGRAMS // max(1, heads)))
+
+
+def _statically_zero(n) -> bool:
+    """True only for a concrete 0 (a SymInt grid is left to the launcher, which skips empty
+    grids)."""
+    return isinstance(n, int) and n == 0
+
+
+def _lowered_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    position: torch.Tensor,
+    k_store: torch.Tensor,
+    v_store: torch.Tensor,
+    window: int,
+    scale: float,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Body of the triton_op. ``window`` 0 means flat (the op schema takes a plain int)."""
+    b, hq, t, d = q.shape
+    hkv = k.shape[1]
+    dv = v.shape[-1]
+    rows = k_store.shape[2]
+    torch._check(hq % hkv == 0, lambda: f"Hq={hq} must be a multiple of Hkv={hkv}")
+    torch._check(k.shape[2] == t, lambda: "k must have as many tokens as q")
+    torch._check(v.shape[2] == t, lambda: "v must have as many tokens as q")
+    torch._check(v_store.shape[2] == rows, lambda: "k_store and v_store must have equal rows")
+    group = hq // hkv
+    pos = position.reshape(-1)
+    torch._check(pos.shape[0] == t, lambda: "position must hold one entry per token")
+    is_ring = window > 0
+    block_d = _pow2_at_least(d)
+    block_dv = _pow2_at_least(dv)
+    out = torch.empty((b, hq, t, dv), dtype=out_dtype, device=q.device)
+
+    wrap_triton = torch.library.wrap_triton
+    wrap_triton(_write_rows_kernel)[(t, b * hkv, 1)](
+        k, v, pos, k_store, v_store,
+        *k.stride(), *v.stride(), *k_store.stride(), *v_store.stride(),
+        pos.stride(0), rows, hkv,
+        HEAD_DIM=d, V_DIM=dv, BLOCK_D=block_d, BLOCK_DV=block_dv, IS_RING=is_ring,
+    )
+
+    sixteen_bit = (torch.float16, torch.bfloat16)
+    qk_fp32 = not (q.dtype == k_store.dtype and k_store.dtype in sixteen_bit)
+    pv_fp32 = v_store.dtype not in sixteen_bit
+    block_n = 64 if block_d <= 128 and block_dv <= 128 else 32
+    qk_scale = float(scale) * math.log2(math.e)
+    common = dict(
+        GROUP=group, HEAD_DIM=d, V_DIM=dv, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_N=block_n,
+        MIN_SPLIT_KEYS=_MIN_SPLIT_KEYS, IS_RING=is_ring, QK_FP32=qk_fp32, PV_FP32=pv_fp32,
+    )
+    strides = (*q.stride(), *k_store.stride(), *v_store.stride(), *out.stride())
+    scalars = (pos.stride(0), t, rows, window, hkv, qk_scale)
+
+    small_t = _small_t(group)
+    small = _is_small_step(t, small_t)
+    large = 1 - small
+
+    # Split variant (small steps): the tiles cover group * small_t query rows.
+    split_m = _split_block_m(group)
+    split_tiles = -(-(group * small_t) // split_m)
+    splits = _num_splits(b, hkv)
+    part_rows = split_tiles * split_m
+    part_acc = torch.empty((b * hkv, splits, part_rows, block_dv), dtype=torch.float32,
+                           device=q.device)
+    part_m = torch.empty((b * hkv, splits, part_rows), dtype=torch.float32, device=q.device)
+    part_l = torch.empty((b * hkv, splits, part_rows), dtype=torch.float32, device=q.device)
+    if not _statically_zero(small):
+        wrap_triton(_attend_kernel)[(split_tiles * small, b * hkv, splits)](
+            q, k_store, v_store, pos, out, part_acc, part_m, part_l,
+            *strides, *scalars, splits,
+            BLOCK_M=split_m, PART_ROWS=part_rows, SPLIT=True, **common,
+        )
+        wrap_triton(_combine_splits_kernel)[(split_tiles * small, b * hkv, 1)](
+            pos, out, part_acc, part_m, part_l,
+            *out.stride(), pos.stride(0), t, rows, window, hkv, splits,
+            GROUP=group, V_DIM=dv, BLOCK_DV=block_dv, BLOCK_M=split_m, BLOCK_N=block_n,
+            PART_ROWS=part_rows, MIN_SPLIT_KEYS=_MIN_SPLIT_KEYS, IS_RING=is_ring,
+        )
+
+    # Tiled variant (larger steps, e.g. prefill): one program per query tile, no split.
+    tiled_tiles = (group * t + _TILED_BLOCK_M - 1) // _TILED_BLOCK_M
+    if not _statically_zero(large):
+        wrap_triton(_attend_kernel)[(tiled_tiles * large, b * hkv, 1)](
+            q, k_store, v_store, pos, out, part_acc, part_m, part_l,
+            *strides, *scalars, 1,
+            BLOCK_M=_TILED_BLOCK_M, PART_ROWS=part_rows, SPLIT=False, **common,
+        )
+    return out
+
+
+if _TRITON_IMPORT_ERROR is None:
+    _lowered_step_op = torch.library.triton_op(OP_NAME, mutates_args={"k_store", "v_store"})(
+        _lowered_step
+    )
+
+
+def triton_update_and_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    position: torch.Tensor,
+    k_store: torch.Tensor,
+    v_store: torch.Tensor,
+    window: int | None,
+    scale: float,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Write this step's rows into ``k_store``/``v_store`` in place and attend over the valid rows.
+
+    Same signature and semantics as ``portable_update_and_attend``: q ``[B,Hq,T,D]``, k
+    ``[B,Hkv,T,D]``, v ``[B,Hkv,T,Dv]`` (any strides), position int64 ``[T]`` or ``[T,1]``,
+    storage ``[B,Hkv,rows,D|Dv]``; ``window`` None is a flat layer (row = position), an int a ring
+    (row = position mod rows, attending the newest ``window`` positions). Returns
+    ``[B,Hq,T,Dv]`` in ``out_dtype``. Calls the ``offgraph_lowered::triton_update_and_attend`` op,
+    so ``torch.export`` records one node and AOTInductor compiles its kernels.
+    """
+    if _TRITON_IMPORT_ERROR is not None:
+        raise ExportError(
+            "the triton step implementation needs the 'triton' package "
+            f"(pip install offgraph-export[triton]); importing it failed: {_TRITON_IMPORT_ERROR}. "
+            "Use the portable step instead."
+        )
+    if window is not None and (not isinstance(window, int) or window <= 0):
+        raise ExportError(f"window must be None (flat) or a positive int, got {window!r}")
+    return _lowered_step_op(
+        q, k, v, position, k_store, v_store, 0 if window is None else window, float(scale),
+        out_dtype,
+    )

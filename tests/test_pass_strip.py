@@ -1,0 +1,145 @@
+"""The strip pass: neutral ops become in-place row writes and attention over storage inputs."""
+
+import pytest
+import torch
+from torch.export.graph_signature import InputKind, OutputKind
+
+from offgraph_export.errors import ExportError
+from offgraph_export.passes.kv_sites import find_kv_sites
+from offgraph_export.pipeline import run_passes
+from offgraph_export.reference import ReferenceCaches, active_caches
+from offgraph_export.specs import CacheConfig
+from tests import tiny_models as tm
+
+CONFIG = CacheConfig(max_capacity=64, initial_capacity=8, max_write=16, ring_windows={1: 5})
+
+
+def _lower(model, inputs, token_dims, config=CONFIG):
+    ep = tm.export(model, inputs, token_dims, config.max_write)
+    return ep, run_passes(ep, inputs, config)
+
+
+@pytest.fixture(scope="module")
+def gqa_stack():
+    model = tm.Stack(3, hq=8, hkv=2, d=16, dv=8).eval()
+    inputs = (torch.randn(1, 5, 32), torch.arange(5))
+    ep, program = _lower(model, inputs, (1, 0))
+    return model, ep, program
+
+
+def test_what_fired(gqa_stack):
+    _, ep, program = gqa_stack
+    assert len(find_kv_sites(ep.graph)) == 3
+    assert find_kv_sites(program.stripped.graph) == []
+    targets = [str(n.target) for n in program.stripped.graph.nodes if n.op == "call_function"]
+    assert sum("index_copy" in t for t in targets) == 6  # one K and one V write per layer
+
+
+def test_signature_after(gqa_stack):
+    _, _, program = gqa_stack
+    sig = program.stripped.graph_signature
+    names = ["x", "position", "k_cache_0", "v_cache_0", "k_cache_1", "v_cache_1", "k_cache_2", "v_cache_2"]
+    assert list(sig.user_inputs) == names
+    assert [s.arg.name for s in sig.input_specs if s.kind == InputKind.USER_INPUT] == names
+    mutated = [s.target for s in sig.output_specs if s.kind == OutputKind.USER_INPUT_MUTATION]
+    assert mutated == names[2:]
+    assert sum(s.kind == OutputKind.USER_OUTPUT for s in sig.output_specs) == 1
+    placeholders = {n.name: n for n in program.stripped.graph.nodes if n.op == "placeholder"}
+    flat_rows = placeholders["k_cache_0"].meta["val"].shape[2]
+    ring_rows = placeholders["k_cache_1"].meta["val"].shape[2]
+    assert isinstance(flat_rows, torch.SymInt), "flat storage rows must be a dynamic dimension"
+    assert placeholders["v_cache_2"].meta["val"].shape[2].node.expr == flat_rows.node.expr
+    assert ring_rows == 5 + 16 - 1
+    rng = program.stripped.range_constraints[flat_rows.node.expr]
+    assert int(rng.upper) == 64
+
+
+def _storage(manifest, capacity, fill=float("nan")):
+    out = []
+    for s in manifest.storage_inputs():
+        layer = next(l for l in manifest.layers if s in (l.k, l.v))
+        dim = layer.head_dim if s == layer.k else layer.v_head_dim
+        rows = layer.rows(capacity, manifest.max_write)
+        out.append(torch.full((manifest.batch_size, layer.kv_heads, rows, dim), fill))
+    return out
+
+
+def _grow(manifest, storage, capacity, live):
+    grown = _storage(manifest, capacity)
+    for layer_storage, new, old in zip(manifest.storage_inputs(), grown, storage):
+        layer = next(l for l in manifest.layers if layer_storage in (l.k, l.v))
+        if layer.policy == "flat":
+            new[:, :, :live] = old[:, :, :live]
+        else:
+            new.copy_(old)
+    return grown
+
+
+def test_stripped_program_matches_eager_across_widths_and_capacities(gqa_stack):
+    model, _, program = gqa_stack
+    m = program.manifest
+    stripped = program.stripped.module()
+    ref = ReferenceCaches(CONFIG, m.layer_ids)
+    torch.manual_seed(3)
+    xs = torch.randn(1, 40, 32)
+    capacity, used = 8, 0
+    storage = _storage(m, capacity)
+    for width in [3, 1, 9, 1, 1, 16, 1, 2]:
+        if used + width > capacity:
+            capacity = min(64, max(used + width, 2 * capacity))
+            storage = _grow(m, storage, capacity, used)
+        x, pos = xs[:, used : used + width], torch.arange(used, used + width)
+        with ref.activate():
+            want = model(x, pos)
+        got = stripped(x, pos, *storage)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        used += width
+        # flat storage: rows [0, used) written, the rest still NaN
+        assert torch.isfinite(storage[0][:, :, :used]).all() and torch.isnan(storage[0][:, :, used:]).all()
+    assert capacity == 64
+
+
+def test_kvcache_namespace_op_is_stripped_too():
+    if not hasattr(torch.ops.kvcache, "update_and_attend"):
+        @torch.library.custom_op("kvcache::update_and_attend", mutates_args=())
+        def _kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor, layer_id: int,
+                scale: float, out_dtype: torch.dtype) -> torch.Tensor:
+            return active_caches()[layer_id].update_and_attend(q, k, v, position, scale, out_dtype)
+
+        @_kv.register_fake
+        def _(q, k, v, position, layer_id, scale, out_dtype):
+            torch._check(position.shape[0] == k.shape[2])
+            return q.new_empty((*q.shape[:3], v.shape[-1]), dtype=out_dtype)
+
+    class ExecuTorchStyle(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = tm.Attn(0)
+
+        def forward(self, x, position):
+            b, t, _ = x.shape
+            a = self.a
+            q = a.q(x).view(b, t, a.hq, a.d).transpose(1, 2)
+            k = a.k(x).view(b, t, a.hkv, a.d).transpose(1, 2)
+            v = a.v(x).view(b, t, a.hkv, a.dv).transpose(1, 2)
+            return torch.ops.kvcache.update_and_attend(q, k, v, position, 0, a.d**-0.5, x.dtype)
+
+    model = ExecuTorchStyle().eval()
+    config = CacheConfig(max_capacity=32, initial_capacity=8, max_write=8)
+    ep, program = _lower(model, (torch.randn(1, 4, 32), torch.arange(4)), (1, 0), config)
+    assert find_kv_sites(ep.graph)[0].node.target.name() == "kvcache::update_and_attend"
+    assert find_kv_sites(program.stripped.graph) == []
+    ref = ReferenceCaches(config, [0])
+    storage = _storage(program.manifest, 8)
+    x = torch.randn(1, 6, 32)
+    for lo, hi in [(0, 4), (4, 5), (5, 6)]:
+        with ref.activate():
+            want = model(x[:, lo:hi], torch.arange(lo, hi))
+        got = program.stripped.module()(x[:, lo:hi], torch.arange(lo, hi), *storage)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_unknown_step_impl_rejected(gqa_stack):
+    _, ep, _ = gqa_stack
+    with pytest.raises(ExportError, match="unknown step implementation 'magic'"):
+        run_passes(ep, (torch.randn(1, 5, 32), torch.arange(5)), CONFIG, step_impl="magic")

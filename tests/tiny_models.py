@@ -1,0 +1,134 @@
+"""Tiny modules that call the neutral op in different ways, for the pass tests."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from offgraph_export.ops import update_and_attend
+
+
+class Attn(nn.Module):
+    """One attention site over ``x [B,T,H]``; GQA and a separate value head dim."""
+
+    def __init__(self, layer_id: int, hidden: int = 32, hq: int = 4, hkv: int = 2, d: int = 16, dv: int = 16):
+        super().__init__()
+        self.layer_id, self.hq, self.hkv, self.d, self.dv = layer_id, hq, hkv, d, dv
+        self.q = nn.Linear(hidden, hq * d, bias=False)
+        self.k = nn.Linear(hidden, hkv * d, bias=False)
+        self.v = nn.Linear(hidden, hkv * dv, bias=False)
+        self.o = nn.Linear(hq * dv, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, self.hq, self.d).transpose(1, 2)
+        k = self.k(x).view(b, t, self.hkv, self.d).transpose(1, 2)
+        v = self.v(x).view(b, t, self.hkv, self.dv).transpose(1, 2)
+        out = update_and_attend(q, k, v, position, self.layer_id, self.d**-0.5, x.dtype)
+        return self.o(out.transpose(1, 2).reshape(b, t, self.hq * self.dv))
+
+
+class Stack(nn.Module):
+    """Embeddings ``[B,T,H]`` and positions ``[T]`` in; layers of :class:`Attn`."""
+
+    def __init__(self, n_layers: int = 2, **kw):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(Attn(i, **kw) for i in range(n_layers))
+
+    def forward(self, x: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x, position)
+        return x
+
+
+class TokensModel(nn.Module):
+    """Tokens ``[1,T]`` and positions ``[T]``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(64, 32)
+        self.body = Stack(2)
+
+    def forward(self, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        return self.body(self.emb(tokens), position)
+
+
+class PositionsOnly(nn.Module):
+    """A fixed-shape conditioning input, then positions ``[T]``: only the positions carry T."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.pos_emb = nn.Embedding(512, 32)
+        self.body = Stack(1)
+
+    def forward(self, cond: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        x = self.pos_emb(position)[None] + cond[:, None, :]
+        return self.body(x, position)
+
+
+class ChannelsFirst(nn.Module):
+    """Embeddings laid out ``[B,H,T]``: the width is dim 2 of input 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = Stack(1)
+
+    def forward(self, x: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        return self.body(x.transpose(1, 2), position)
+
+
+class UnevenWidths(nn.Module):
+    """Layer 1 writes one token fewer than layer 0: rejected by the width pass."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = Attn(0)
+        self.b = Attn(1)
+
+    def forward(self, x: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        y = self.a(x, position)
+        return self.b(y[:, 1:], position[1:])
+
+
+class DoubledWidth(nn.Module):
+    """Writes 2T tokens per step: no input carries that extent."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = Attn(0)
+
+    def forward(self, x: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        t = position.shape[0]
+        return self.a(torch.cat([x, x], dim=1), torch.cat([position, position + t]))
+
+
+class SameLayerTwice(nn.Module):
+    """Two sites with layer id 0: rejected by validation."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = Attn(0)
+        self.b = Attn(0)
+
+    def forward(self, x: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x, position), position)
+
+
+class BadHeads(nn.Module):
+    """Query heads not a multiple of KV heads (3 vs 2)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = Attn(0, hq=3, hkv=2)
+
+    def forward(self, x: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        return self.a(x, position)
+
+
+def export(model: nn.Module, inputs: tuple, token_dims: tuple, max_width: int = 16):
+    from offgraph_export.pipeline import export_model
+
+    return export_model(model, inputs, token_dims, max_width)
