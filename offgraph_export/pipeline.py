@@ -112,8 +112,10 @@ def run_passes(
     ep: ExportedProgram,
     example_inputs: Sequence[torch.Tensor],
     cache_config: CacheConfig,
-    step_impl: str = "portable",
+    step_impl: str | Callable[..., torch.Tensor] = "portable",
 ) -> LoweredProgram:
+    """``step_impl``: ``portable``, ``triton``, or a callable with the signature of
+    ``portable_update_and_attend`` (recorded in the specs by its ``__name__``)."""
     validate_kv_sites(ep)
     step_width = record_step_width(ep)
     manifest = build_manifest(ep, cache_config)
@@ -121,7 +123,8 @@ def run_passes(
     stripped = strip_kv_cache(ep, manifest, example_inputs, impl=step_impl)
     # Functionalize: in-place storage writes become declared user-input mutations.
     stripped = stripped.run_decompositions({})
-    return LoweredProgram(ep, stripped, step_width, manifest, step_impl)
+    name = step_impl if isinstance(step_impl, str) else getattr(step_impl, "__name__", "custom")
+    return LoweredProgram(ep, stripped, step_width, manifest, name)
 
 
 def lower(program: LoweredProgram, path: str | Path, device: str, **model_info) -> Path:

@@ -27,8 +27,11 @@ __all__ = ["strip_kv_cache", "STEP_IMPLS", "step_impl"]
 STEP_IMPLS = ("portable", "triton")
 
 
-def step_impl(name: str) -> Callable[..., torch.Tensor]:
-    """The lowered step implementation called ``name`` (``portable`` or ``triton``)."""
+def step_impl(name: str | Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """The lowered step implementation called ``name`` (``portable`` or ``triton``). A callable
+    with the signature of ``portable_update_and_attend`` is returned as is (custom steps)."""
+    if callable(name):
+        return name
     if name == "portable":
         from offgraph_export.lowering.portable import portable_update_and_attend
 
@@ -152,7 +155,7 @@ def strip_kv_cache(
     ep: ExportedProgram,
     manifest: CacheManifest,
     example_inputs: Sequence[torch.Tensor],
-    impl: str = "portable",
+    impl: str | Callable[..., torch.Tensor] = "portable",
 ) -> ExportedProgram:
     """Return a new program: the model's inputs then the manifest's storage inputs, with every
     neutral op replaced by in-place row writes and attention over valid rows (``impl``)."""

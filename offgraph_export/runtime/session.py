@@ -82,6 +82,9 @@ class Session:
 
     def run(self, inputs: Sequence[torch.Tensor], width: int) -> list[torch.Tensor]:
         """Launch the compiled program on prepared storage (no commit)."""
+        # The compiled code indexes inputs as contiguous (AOTI does not check strides): a strided
+        # view such as ``ids[:, a:b]`` of a batch > 1 would be misread silently.
+        inputs = [x if x.is_contiguous() else x.contiguous() for x in inputs]
         if self._graphs is not None and self._graphs.accepts(width):
             return self._graphs.run(inputs)
         return self.artifact.run([*inputs, *self.storage.bound()])
@@ -113,7 +116,7 @@ class Session:
 
     def close(self) -> None:
         self.closed = True
-        self.storage.tensors.clear()
+        self.storage.release()
         self._graphs = None
 
     def metrics(self) -> SessionMetrics:

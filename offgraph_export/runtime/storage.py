@@ -70,6 +70,10 @@ class SessionStorage:
                 f"allocator returned {tuple(tensor.shape)} {tensor.dtype} on {tensor.device}; "
                 f"expected {shape} {self.dtype} on {self.device}"
             )
+        if not tensor.is_contiguous():  # the compiled step indexes storage as contiguous
+            raise RuntimeError(
+                f"allocator returned a non-contiguous tensor (strides {tensor.stride()}) for {shape}"
+            )
         if self.poison:
             tensor.fill_(float("nan"))
         return tensor
@@ -104,6 +108,11 @@ class SessionStorage:
         self.capacity = new_capacity
         self.growth_count += 1
         return True
+
+    def release(self) -> None:
+        """Drop every storage tensor (the session is closing)."""
+        self.tensors.clear()
+        self._bound = []
 
     def allocated_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
