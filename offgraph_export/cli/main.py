@@ -153,8 +153,9 @@ def inspect(artifact, as_json):
 @click.option("--prefill-chunks", default=3, show_default=True, help="Chunks the prefill is split into.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("-a", "--arg", "factory_args", multiple=True, metavar="NAME=VALUE", help="Factory argument (default: those recorded at export).")
+@click.option("--cuda-graphs", is_flag=True, help="Replay decode steps as CUDA graphs (cuda artifacts).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def check(artifact, model_factory, steps, prefill_chunks, seed, factory_args, as_json):
+def check(artifact, model_factory, steps, prefill_chunks, seed, factory_args, cuda_graphs, as_json):
     """Check ARTIFACT's compiled steps against its spec and the eager model.
 
     Exits 0 when every step matches, 1 when any check fails, 2 when the check cannot run."""
@@ -170,7 +171,8 @@ def check(artifact, model_factory, steps, prefill_chunks, seed, factory_args, as
         args = parse_factory_args(factory_args) if factory_args else dict(specs.model_args)
         bundle = cast_bundle(load_bundle(factory, **args), specs.model_dtype)
         _say(f"checking {artifact} against {factory} on {specs.device}")
-        report = check_artifact(artifact, bundle, decode_steps=steps, prefill_chunks=prefill_chunks, seed=seed)
+        report = check_artifact(artifact, bundle, decode_steps=steps, prefill_chunks=prefill_chunks, seed=seed,
+                                cuda_graphs=cuda_graphs)
         report.model = factory
     except OffgraphError as exc:
         _fail(exc)

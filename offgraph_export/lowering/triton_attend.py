@@ -454,15 +454,17 @@ def _lowered_step(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """Body of the triton_op. ``window`` 0 means flat (the op schema takes a plain int)."""
-    b, hq, t, d = q.shape
+    b, hq, t, _ = q.shape
     hkv = k.shape[1]
-    dv = v.shape[-1]
     rows = k_store.shape[2]
+    # Head dims and the group size are compile-time constants of the kernels (constexprs), so
+    # they must be plain ints; in export they are static anyway (int() on a SymInt would guard).
+    d, dv = int(q.shape[-1]), int(v.shape[-1])
     torch._check(hq % hkv == 0, lambda: f"Hq={hq} must be a multiple of Hkv={hkv}")
     torch._check(k.shape[2] == t, lambda: "k must have as many tokens as q")
     torch._check(v.shape[2] == t, lambda: "v must have as many tokens as q")
     torch._check(v_store.shape[2] == rows, lambda: "k_store and v_store must have equal rows")
-    group = hq // hkv
+    group = int(hq // hkv)
     pos = position.reshape(-1)
     torch._check(pos.shape[0] == t, lambda: "position must hold one entry per token")
     is_ring = window > 0

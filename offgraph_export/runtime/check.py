@@ -175,6 +175,7 @@ def check_artifact(
     decode_steps: int = 16,
     prefill_chunks: int = 3,
     seed: int = 0,
+    cuda_graphs: bool = False,
 ) -> CheckReport:
     """Replay a session through ``artifact`` and the eager ``bundle``; never raises for a
     mismatch (see the report), only for unusable inputs."""
@@ -182,7 +183,7 @@ def check_artifact(
     if isinstance(bundle, str):
         bundle = load_bundle(bundle)
     if not isinstance(artifact, Artifact):
-        artifact = Artifact.load(artifact)
+        artifact = Artifact.load(artifact, single_threaded=cuda_graphs)
     manifest = artifact.specs.manifest
     device = artifact.device
     sched = list(schedule) if schedule is not None else default_schedule(manifest, decode_steps, prefill_chunks, seed)
@@ -198,7 +199,7 @@ def check_artifact(
     batch = manifest.batch_size
     tokens = torch.randint(0, bundle.vocab_size, (batch, sum(sched)), generator=gen).to(device)
     ref = ReferenceCaches(_oracle_config(manifest), manifest.layer_ids)
-    session = artifact.new_session(poison=True)
+    session = artifact.new_session(poison=True, cuda_graphs=cuda_graphs)
     report.problems += _check_manifest_storage(session, manifest)
     spec = artifact.specs.width
     storage_names = [s.name for s in manifest.storage_inputs()]
@@ -279,6 +280,9 @@ def check_artifact(
     for lid, wrapped in report.ring_wraps.items():
         if not wrapped:
             report.notes.append(f"ring layer {lid} did not wrap")
+    if cuda_graphs:
+        metrics = session.metrics()
+        report.notes.append(f"CUDA graphs: {metrics.graph_captures} captures, {metrics.graph_replays} replays")
     report.passed = not report.problems and all(s.ok for s in report.steps) and len(report.steps) == len(sched)
     session.close()
     return report

@@ -1,0 +1,80 @@
+"""Attention-step kernel time versus history length: the Triton step reads only valid rows, so
+its time should follow the history, not the storage capacity; the portable aten step reads the
+whole storage.
+
+    python scripts/bench_attention.py [--capacity 32768] [--history 1024 16384] [--out FILE]
+
+Shape: Llama-3.2-1B attention (32 query heads, 8 KV heads, head dim 64), batch 1, bf16 storage,
+one decode token. Times are medians over ``--iters`` calls, each bracketed by CUDA events. Each
+call also writes its token's row (position = history), as the lowered step does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from offgraph_export.lowering.portable import portable_update_and_attend
+from offgraph_export.lowering.triton_attend import triton_update_and_attend
+
+
+def time_ms(fn, iters: int) -> float:
+    for _ in range(10):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--capacity", type=int, default=32768)
+    parser.add_argument("--history", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--hq", type=int, default=32)
+    parser.add_argument("--hkv", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    dev, dt = "cuda", torch.bfloat16
+    d = args.head_dim
+    k_store = torch.randn(1, args.hkv, args.capacity, d, device=dev, dtype=dt)
+    v_store = torch.randn(1, args.hkv, args.capacity, d, device=dev, dtype=dt)
+    q = torch.randn(1, args.hq, 1, d, device=dev, dtype=dt)
+    k = torch.randn(1, args.hkv, 1, d, device=dev, dtype=dt)
+    v = torch.randn(1, args.hkv, 1, d, device=dev, dtype=dt)
+    rows = []
+    for history in args.history:
+        pos = torch.tensor([history], device=dev)
+        kv_bytes = 2 * (history + 1) * args.hkv * d * k_store.element_size()
+        tri = time_ms(lambda: triton_update_and_attend(q, k, v, pos, k_store, v_store, None, d**-0.5, dt), args.iters)
+        por = time_ms(lambda: portable_update_and_attend(q, k, v, pos, k_store, v_store, None, d**-0.5, dt), args.iters)
+        ref = portable_update_and_attend(q, k, v, pos, k_store.clone(), v_store.clone(), None, d**-0.5, dt)
+        got = triton_update_and_attend(q, k, v, pos, k_store, v_store, None, d**-0.5, dt)
+        row = {
+            "history": history,
+            "capacity": args.capacity,
+            "triton_ms": tri,
+            "triton_GBps": kv_bytes / tri / 1e6,
+            "portable_ms": por,
+            "max_abs_diff_vs_portable": float((got.float() - ref.float()).abs().max()),
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": vars(args), "rows": rows}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

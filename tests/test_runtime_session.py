@@ -1,0 +1,325 @@
+"""Sessions over the compiled example (layer 0 flat, layer 1 ring of 16; capacity 16 -> 256,
+max_write 32), with the eager model over reference caches as the oracle: step outputs, growth,
+commit only on success (real failures), reset, interleaved sessions, metrics, close, generate."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from offgraph_export.errors import StepFailed, StepRefused
+from offgraph_export.generate import generate
+from offgraph_export.reference import ReferenceCaches
+from offgraph_export.runtime import Artifact, Session, default_allocator
+
+ATOL = RTOL = 1e-4  # float32 model (check.TOLERANCES)
+
+
+class Oracle:
+    """The eager model over its own reference caches: one per simulated session."""
+
+    def __init__(self, bundle, manifest) -> None:
+        self.bundle = bundle
+        self.ref = ReferenceCaches(bundle.cache_config, manifest.layer_ids)
+        self.used = 0
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad(), self.ref.activate():
+            out = self.bundle.model(*self.bundle.make_inputs(tokens, self.used))
+        self.used += tokens.shape[1]
+        return out
+
+
+def tokens_for(seed: int, n: int) -> torch.Tensor:
+    return torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def chunks(tokens: torch.Tensor, schedule):
+    start = 0
+    for width in schedule:
+        yield start, tokens[:, start : start + width]
+        start += width
+    assert start == tokens.shape[1]
+
+
+def run_solo(session: Session, bundle, tokens, schedule) -> list[torch.Tensor]:
+    return [session.step(*bundle.make_inputs(chunk, start))[0] for start, chunk in chunks(tokens, schedule)]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32)
+
+
+def snapshot(session: Session) -> list[torch.Tensor]:
+    return [t.clone() for t in session.storage.bound()]
+
+
+def same_storage(session: Session, snap: list[torch.Tensor]) -> bool:
+    now = session.storage.bound()
+    return len(now) == len(snap) and all(torch.equal(bits(a), bits(b)) for a, b in zip(now, snap))
+
+
+# growths at 25 (16 -> 32), 35 (-> 64) and 69 (-> 128); the ring (47 rows) wraps after 47 tokens
+SCHEDULE = [5, 20, 10, 14] + [1] * 20
+
+
+def test_steps_match_eager_across_growths(loaded_example, example_bundle):
+    session = loaded_example.new_session()
+    oracle = Oracle(example_bundle, loaded_example.specs.manifest)
+    tokens = tokens_for(0, sum(SCHEDULE))
+    capacities = []
+    for start, chunk in chunks(tokens, SCHEDULE):
+        (got,) = session.step(*example_bundle.make_inputs(chunk, start))
+        want = oracle.step(chunk)
+        assert got.shape == want.shape == (1, chunk.shape[1], 256)
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL, msg=lambda m: f"step at {start}: {m}")
+        assert session.used == start + chunk.shape[1]
+        capacities.append(session.storage.capacity)
+    assert capacities[:4] == [16, 32, 64, 64]
+    assert capacities[-1] == 128
+    assert session.storage.growth_count == 3
+    assert session.used > 16 + 32 - 1  # the ring layer wrapped
+
+
+def test_prepare_run_commit_is_step(loaded_example, example_bundle):
+    """The three phases used separately (as the check does) give the same as ``step``."""
+    tokens = tokens_for(1, 40)
+    a, b = loaded_example.new_session(), loaded_example.new_session()
+    for start, chunk in chunks(tokens, [30, 10]):
+        inputs = example_bundle.make_inputs(chunk, start)
+        width = a.prepare(inputs)
+        assert width == chunk.shape[1]
+        out_a = a.run(inputs, width)
+        assert a.used == start  # nothing committed yet
+        a.commit(width)
+        out_b = b.step(*inputs)
+        assert torch.equal(out_a[0], out_b[0])
+    assert a.metrics() == b.metrics()
+
+
+def test_strided_inputs_are_read_correctly(loaded_example, example_bundle):
+    """AOTI does not check strides: the session hands the program contiguous inputs."""
+    tokens = tokens_for(2, 12)
+    oracle = Oracle(example_bundle, loaded_example.specs.manifest)
+    session = loaded_example.new_session()
+    wide = torch.zeros(1, 24, dtype=torch.int64)
+    wide[:, ::2] = tokens
+    positions = torch.zeros(24, dtype=torch.int64)
+    positions[::2] = torch.arange(12)
+    strided_tokens, strided_pos = wide[:, ::2], positions[::2]
+    assert not strided_tokens.is_contiguous() and not strided_pos.is_contiguous()
+    (got,) = session.step(strided_tokens, strided_pos)
+    torch.testing.assert_close(got, oracle.step(tokens), atol=ATOL, rtol=RTOL)
+    (got,) = session.step(*example_bundle.make_inputs(tokens_for(3, 4), 12))
+    torch.testing.assert_close(got, oracle.step(tokens_for(3, 4)), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("bad_width", [3, 30], ids=["no-growth", "with-growth"])
+def test_failed_run_commits_nothing_and_next_step_proceeds(loaded_example, example_bundle, bad_width):
+    """A real failure inside the compiled program: a token id outside the vocabulary trips
+    inductor's index bounds check in the embedding."""
+    session = loaded_example.new_session()
+    oracle = Oracle(example_bundle, loaded_example.specs.manifest)
+    tokens = tokens_for(4, 20)
+    torch.testing.assert_close(
+        session.step(*example_bundle.make_inputs(tokens[:, :10], 0))[0], oracle.step(tokens[:, :10]),
+        atol=ATOL, rtol=RTOL,
+    )
+    bad = tokens_for(5, bad_width)
+    bad[0, bad_width // 2] = 999  # vocab is 256
+    with pytest.raises(StepFailed, match="not advanced") as info:
+        session.step(*example_bundle.make_inputs(bad, 10))
+    assert "index out of bounds" in str(info.value)
+    assert isinstance(info.value.__cause__, RuntimeError)  # the program's own error, chained
+    m = session.metrics()
+    assert (m.committed_length, m.steps, m.failed_steps, m.refused_steps) == (10, 1, 1, 0)
+    # storage was prepared for the failed step (it may have grown), but nothing was committed
+    assert m.capacity == (16 if bad_width == 3 else 40)
+
+    # the next good step continues at 10 as if the failure never happened
+    for start, chunk in chunks(tokens[:, 10:], [7, 1, 1, 1]):
+        (got,) = session.step(*example_bundle.make_inputs(chunk, 10 + start))
+        torch.testing.assert_close(got, oracle.step(chunk), atol=ATOL, rtol=RTOL)
+    m = session.metrics()
+    assert (m.committed_length, m.steps, m.failed_steps) == (20, 5, 1)
+
+
+def test_growth_failure_in_session_refuses_and_keeps_cache(loaded_example, example_bundle):
+    calls = []
+
+    def allocator(shape, dtype, device):
+        calls.append(shape)
+        if len(calls) == 6:  # 4 at open; the growth allocates k then v of the flat layer
+            torch.empty(2**60, dtype=dtype, device=device)  # a real out-of-memory error
+        return default_allocator(shape, dtype, device)
+
+    session = loaded_example.new_session(allocator=allocator)
+    oracle = Oracle(example_bundle, loaded_example.specs.manifest)
+    tokens = tokens_for(6, 30)
+    session.step(*example_bundle.make_inputs(tokens[:, :12], 0))
+    oracle.step(tokens[:, :12])
+    objects = list(session.storage.bound())
+    snap = snapshot(session)
+
+    with pytest.raises(StepRefused, match="could not grow storage to 22 tokens.*can't allocate memory"):
+        session.step(*example_bundle.make_inputs(tokens[:, 12:22], 12))
+    assert len(calls) == 6
+    m = session.metrics()
+    assert (m.committed_length, m.capacity, m.growth_count) == (12, 16, 0)
+    assert (m.steps, m.failed_steps, m.refused_steps) == (1, 0, 1)
+    assert all(a is b for a, b in zip(session.storage.bound(), objects))
+    assert same_storage(session, snap)
+
+    # the allocator recovers: the same step now grows and matches eager, and so do later ones
+    for start, chunk in chunks(tokens[:, 12:], [10, 8]):
+        (got,) = session.step(*example_bundle.make_inputs(chunk, 12 + start))
+        torch.testing.assert_close(got, oracle.step(chunk), atol=ATOL, rtol=RTOL)
+    assert session.storage.capacity == 32 and session.storage.growth_count == 1
+
+
+def test_reset_keeps_storage_and_forgets_history(loaded_example, example_bundle):
+    session = loaded_example.new_session()
+    first = tokens_for(7, 60)
+    run_solo(session, example_bundle, first, [32, 28])  # grows to 64; the ring wraps
+    assert session.storage.capacity == 64
+    objects = list(session.storage.bound())
+    before = session.metrics()
+
+    session.reset()
+    m = session.metrics()
+    assert m.committed_length == 0
+    assert (m.capacity, m.growth_count, m.allocated_bytes) == (64, before.growth_count, before.allocated_bytes)
+    assert all(a is b for a, b in zip(session.storage.bound(), objects))
+
+    # a new conversation from position 0 sees none of the old one (stale rows in the flat and
+    # ring storage are masked), and matches a fresh eager run
+    oracle = Oracle(example_bundle, loaded_example.specs.manifest)
+    second = tokens_for(8, 26)
+    for start, chunk in chunks(second, [9, 3, 1, 1, 12]):
+        (got,) = session.step(*example_bundle.make_inputs(chunk, start))
+        torch.testing.assert_close(got, oracle.step(chunk), atol=ATOL, rtol=RTOL)
+    assert session.storage.capacity == 64 and all(a is b for a, b in zip(session.storage.bound(), objects))
+
+
+SCHED_A = [7, 25, 1, 1, 30, 1, 1, 1]  # grows at 32 and 63
+SCHED_B = [3, 1, 1, 1, 1, 14, 20, 1]  # grows at 21 and 41
+
+
+def test_interleaved_sessions_match_solo_runs(loaded_example, example_bundle):
+    tokens_a, tokens_b = tokens_for(9, sum(SCHED_A)), tokens_for(10, sum(SCHED_B))
+    solo_a = run_solo(loaded_example.new_session(), example_bundle, tokens_a, SCHED_A)
+    solo_b = run_solo(loaded_example.new_session(), example_bundle, tokens_b, SCHED_B)
+
+    sa, sb = loaded_example.new_session(), loaded_example.new_session()
+    assert sa.artifact is sb.artifact  # one loaded program, one copy of the weights
+    out_a, out_b = [], []
+    steps_a, steps_b = list(chunks(tokens_a, SCHED_A)), list(chunks(tokens_b, SCHED_B))
+    for (start_a, chunk_a), (start_b, chunk_b) in zip(steps_a, steps_b):
+        out_a.append(sa.step(*example_bundle.make_inputs(chunk_a, start_a))[0])
+        # switching to B copies nothing and does not touch A's storage
+        ptrs_a = [t.data_ptr() for t in sa.storage.bound()]
+        snap_a = snapshot(sa)
+        out_b.append(sb.step(*example_bundle.make_inputs(chunk_b, start_b))[0])
+        assert [t.data_ptr() for t in sa.storage.bound()] == ptrs_a
+        assert same_storage(sa, snap_a)
+        assert not {t.data_ptr() for t in sa.storage.bound()} & {t.data_ptr() for t in sb.storage.bound()}
+    # compared at the end: no output is a buffer that a later run reused
+    for i, (got, want) in enumerate(zip(out_a, solo_a)):
+        assert torch.equal(got, want), f"session A step {i} differs from its solo run"
+    for i, (got, want) in enumerate(zip(out_b, solo_b)):
+        assert torch.equal(got, want), f"session B step {i} differs from its solo run"
+    assert sa.metrics().growth_count == 2 and sb.metrics().growth_count == 2
+
+    # and both match eager
+    for tokens, sched, outs in ((tokens_a, SCHED_A, out_a), (tokens_b, SCHED_B, out_b)):
+        oracle = Oracle(example_bundle, loaded_example.specs.manifest)
+        for (_, chunk), got in zip(chunks(tokens, sched), outs):
+            torch.testing.assert_close(got, oracle.step(chunk), atol=ATOL, rtol=RTOL)
+
+
+def test_sessions_share_the_program_not_the_loader(loaded_example):
+    """A second Artifact around the same compiled program: sessions need no reload."""
+    twin = Artifact(loaded_example.path, loaded_example.specs, loaded_example.compiled)
+    s1, s2 = loaded_example.new_session(), twin.new_session()
+    assert s1.artifact.compiled is s2.artifact.compiled
+    assert s1.storage is not s2.storage
+
+
+def test_session_metrics(loaded_example, example_bundle):
+    session = loaded_example.new_session()
+    ring_rows = 16 + 32 - 1
+    per_row = 1 * 2 * 16 * 4  # batch, kv heads, head dim, float32
+
+    def expected_bytes(capacity):
+        return 2 * capacity * per_row + 2 * ring_rows * per_row
+
+    m = session.metrics()
+    assert m.model_dump() == {
+        "committed_length": 0, "capacity": 16, "growth_count": 0, "allocated_bytes": expected_bytes(16),
+        "steps": 0, "failed_steps": 0, "refused_steps": 0, "graph_captures": 0, "graph_replays": 0,
+    }
+    tokens = tokens_for(11, 40)
+    session.step(*example_bundle.make_inputs(tokens[:, :20], 0))  # -> 32
+    bad = tokens[:, 20:22].clone()
+    bad[0, 0] = 300
+    with pytest.raises(StepFailed):
+        session.step(*example_bundle.make_inputs(bad, 20))
+    with pytest.raises(StepRefused):
+        session.step(tokens[:, 20:22])
+    session.step(*example_bundle.make_inputs(tokens[:, 20:40], 20))  # -> 64
+    m = session.metrics()
+    assert (m.committed_length, m.capacity, m.growth_count) == (40, 64, 2)
+    assert m.allocated_bytes == expected_bytes(64) == session.storage.allocated_bytes()
+    assert (m.steps, m.failed_steps, m.refused_steps) == (2, 1, 1)
+
+
+def test_closed_session_refuses_and_releases_storage(loaded_example, example_bundle):
+    session = loaded_example.new_session()
+    tokens = tokens_for(12, 8)
+    session.step(*example_bundle.make_inputs(tokens[:, :4], 0))
+    refs = [weakref.ref(t) for t in session.storage.bound()]
+    session.close()
+    gc.collect()
+    assert all(r() is None for r in refs), "close() must drop the storage tensors"
+    with pytest.raises(StepRefused, match="closed"):
+        session.step(*example_bundle.make_inputs(tokens[:, 4:], 4))
+    m = session.metrics()
+    assert (m.committed_length, m.allocated_bytes, m.steps, m.refused_steps) == (4, 0, 1, 1)
+    # other sessions over the same artifact are unaffected
+    other = loaded_example.new_session()
+    oracle = Oracle(example_bundle, loaded_example.specs.manifest)
+    torch.testing.assert_close(
+        other.step(*example_bundle.make_inputs(tokens, 0))[0], oracle.step(tokens), atol=ATOL, rtol=RTOL
+    )
+
+
+def test_generate_matches_eager_greedy(loaded_example, example_bundle):
+    prompt = tokens_for(13, 40)[0].tolist()  # longer than max_write: prefilled in two chunks
+    new = 30
+    result = generate(loaded_example.new_session(), example_bundle.make_inputs, prompt, new)
+
+    oracle = Oracle(example_bundle, loaded_example.specs.manifest)
+    ids = torch.tensor([prompt])
+    for start in range(0, ids.shape[1], 32):
+        logits = oracle.step(ids[:, start : start + 32])
+    expected = []
+    for _ in range(new):
+        next_id = int(logits[0, -1].argmax())
+        expected.append(next_id)
+        if len(expected) == new:
+            break
+        logits = oracle.step(torch.tensor([[next_id]]))
+    assert result.new_tokens == expected
+    assert len(result.step_ms) == new - 1
+
+
+def test_generate_session_state(loaded_example, example_bundle):
+    session = loaded_example.new_session()
+    seen = []
+    result = generate(session, example_bundle.make_inputs, list(range(5)), 4, on_token=seen.append)
+    assert seen == result.new_tokens and len(seen) == 4
+    assert session.used == 5 + 3  # the last token is returned, not fed
+    assert session.metrics().steps == 1 + 3

@@ -1,0 +1,484 @@
+"""The Triton lowered step against the portable one (its reference semantics).
+
+Three groups:
+
+* ``test_interp_*``: the kernels run in the Triton interpreter on CPU tensors. The interpreter is
+  chosen when ``triton.jit`` decorates a kernel, i.e. from ``TRITON_INTERPRET`` at import time, and
+  setting it in this process would also turn the GPU tests below into interpreter runs. So
+  ``test_interpreter_suite`` runs them in a child pytest with ``TRITON_INTERPRET=1``; in the parent
+  process they skip. Run them directly with ``TRITON_INTERPRET=1 pytest tests/test_triton_attend.py
+  -k test_interp_``.
+* CPU tests that need triton importable but run no kernel (export tracing, error messages).
+* ``cuda``: the same cases on a GPU, and ``torch.export`` + AOTInductor packaging of the op.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from offgraph_export.errors import ExportError
+from offgraph_export.lowering.portable import portable_update_and_attend
+
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+HAVE_CUDA = torch.cuda.is_available()
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+interpreter_only = pytest.mark.skipif(
+    not (HAVE_TRITON and INTERPRETING),
+    reason="interpreter case: runs in the TRITON_INTERPRET=1 child of test_interpreter_suite",
+)
+needs_cuda = pytest.mark.skipif(
+    not (HAVE_CUDA and HAVE_TRITON and not INTERPRETING),
+    reason="needs an NVIDIA GPU and triton (and TRITON_INTERPRET unset)",
+)
+
+if HAVE_TRITON:
+    from offgraph_export.lowering import triton_attend
+    from offgraph_export.lowering.triton_attend import triton_update_and_attend
+
+
+# ---------------------------------------------------------------------------------------------
+# Cases and the comparison harness (shared by the interpreter and GPU tests)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    """A layer layout and a session: ``history`` positions already written (filled directly,
+    like an earlier session), then steps of the given token widths."""
+
+    id: str
+    hq: int = 4
+    hkv: int = 2
+    d: int = 16
+    dv: int = 16
+    rows: int = 64
+    window: int | None = None
+    history: int = 0
+    steps: tuple[int, ...] = (5,)
+    batch: int = 1
+    store_dtype: torch.dtype = torch.float32
+    q_dtype: torch.dtype | None = None  # None: the storage dtype
+    out_dtype: torch.dtype | None = None  # None: the q dtype
+    position_2d: bool = False  # position as [T, 1]
+    seed: int = 0
+    extra: dict = field(default_factory=dict, compare=False)
+
+
+def _tolerance(*dtypes: torch.dtype) -> dict[str, float]:
+    if torch.bfloat16 in dtypes:
+        return dict(atol=2e-2, rtol=2e-2)
+    if torch.float16 in dtypes:
+        return dict(atol=5e-3, rtol=5e-3)
+    return dict(atol=2e-5, rtol=2e-5)
+
+
+def _poisoned_storage(case: Case, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """NaN everywhere, then the rows that hold the ``history`` positions."""
+    shape_k = (case.batch, case.hkv, case.rows, case.d)
+    shape_v = (case.batch, case.hkv, case.rows, case.dv)
+    k_store = torch.full(shape_k, float("nan"), dtype=case.store_dtype, device=device)
+    v_store = torch.full(shape_v, float("nan"), dtype=case.store_dtype, device=device)
+    gen = torch.Generator().manual_seed(case.seed + 1000)
+    held = range(case.history) if case.window is None else range(
+        max(0, case.history - case.rows), case.history
+    )
+    for p in held:
+        row = p if case.window is None else p % case.rows
+        k_store[:, :, row] = torch.randn(shape_k[:2] + shape_k[3:], generator=gen).to(k_store)
+        v_store[:, :, row] = torch.randn(shape_v[:2] + shape_v[3:], generator=gen).to(v_store)
+    return k_store, v_store
+
+
+def _step_inputs(case: Case, start: int, t: int, gen: torch.Generator, device: str):
+    """q, k, v as a model makes them: ``[B, T, H, D]`` projections transposed to BHSD (so they
+    are non-contiguous views)."""
+    dtype = case.q_dtype or case.store_dtype
+    q = torch.randn(case.batch, t, case.hq, case.d, generator=gen).to(device, dtype).transpose(1, 2)
+    k = torch.randn(case.batch, t, case.hkv, case.d, generator=gen).to(device, dtype).transpose(1, 2)
+    v = torch.randn(case.batch, t, case.hkv, case.dv, generator=gen).to(device, dtype).transpose(1, 2)
+    position = torch.arange(start, start + t, dtype=torch.int64, device=device)
+    if case.position_2d:
+        position = position[:, None]
+    return q, k, v, position
+
+
+def _never_written_rows(case: Case, end: int) -> list[int]:
+    """Rows no position below ``end`` maps to: they must still be NaN."""
+    written = {p if case.window is None else p % case.rows for p in range(end)}
+    return [r for r in range(case.rows) if r not in written]
+
+
+def run_session(case: Case, device: str) -> None:
+    """Run every step through both implementations, each on its own storage, and compare the
+    outputs (dtype tolerance), the storage (bit for bit, NaN where NaN) and the poisoned rows."""
+    k_tri, v_tri = _poisoned_storage(case, device)
+    k_ref, v_ref = k_tri.clone(), v_tri.clone()
+    gen = torch.Generator().manual_seed(case.seed)
+    scale = case.d**-0.5
+    q_dtype = case.q_dtype or case.store_dtype
+    out_dtype = case.out_dtype or q_dtype
+    tol = _tolerance(case.store_dtype, q_dtype, out_dtype)
+    start = case.history
+    for step, t in enumerate(case.steps):
+        q, k, v, position = _step_inputs(case, start, t, gen, device)
+        out = triton_update_and_attend(
+            q, k, v, position, k_tri, v_tri, case.window, scale, out_dtype
+        )
+        ref = portable_update_and_attend(
+            q, k, v, position, k_ref, v_ref, case.window, scale, out_dtype
+        )
+        where = f"{case.id} step {step} (positions {start}..{start + t - 1})"
+        assert out.shape == ref.shape and out.dtype == out_dtype, where
+        assert torch.isfinite(out.float()).all(), f"{where}: non-finite output (NaN leaked?)"
+        torch.testing.assert_close(out.float(), ref.float(), msg=lambda m: f"{where}: {m}", **tol)
+        torch.testing.assert_close(k_tri, k_ref, atol=0, rtol=0, equal_nan=True)
+        torch.testing.assert_close(v_tri, v_ref, atol=0, rtol=0, equal_nan=True)
+        start += t
+        untouched = _never_written_rows(case, start)
+        assert k_tri[:, :, untouched].isnan().all() and v_tri[:, :, untouched].isnan().all(), where
+
+
+# Small shapes so the interpreter stays fast. With the interpreter's split settings below
+# (_SMALL_SPLITS), a history of a few hundred keys already uses several splits.
+CASES = [
+    Case("flat_prefill_tiled_mid_history", rows=48, history=9, steps=(12,)),
+    Case("flat_short_step_split_variant", rows=48, history=9, steps=(3,)),
+    Case("flat_from_empty", rows=32, steps=(4, 1, 1)),
+    Case("ring_wrap_past_window", window=8, rows=11, steps=(4, 4, 3, 1, 1, 1, 4, 2, 1)),
+    Case("ring_prefill_tiled_wraps", window=8, rows=17, history=5, steps=(10, 10, 1)),
+    Case("gqa_4_2_decode_long_history", rows=400, history=330, steps=(1, 1)),
+    Case("mqa_8_1_dv_ne_d_decode", hq=8, hkv=1, d=32, dv=16, rows=400, history=300, steps=(1,)),
+    Case("mqa_8_1_prefill", hq=8, hkv=1, d=16, dv=32, rows=80, history=20, steps=(17,)),
+    Case("ring_decode_split", window=300, rows=303, history=700, steps=(1, 3)),
+    Case("batch2_position_2d", batch=2, rows=40, history=6, steps=(5, 1), position_2d=True),
+    Case("head_dim_not_pow2", d=24, dv=40, rows=40, history=3, steps=(6, 1)),
+    Case("bf16_storage", store_dtype=torch.bfloat16, rows=300, history=200, steps=(9, 1)),
+    Case("fp16_storage", store_dtype=torch.float16, rows=300, history=200, steps=(9, 1)),
+    Case(
+        "fp32_q_into_bf16_storage",
+        store_dtype=torch.bfloat16, q_dtype=torch.float32, rows=40, history=7, steps=(4, 1),
+    ),
+    Case(
+        "bf16_q_fp32_out_ring",
+        store_dtype=torch.bfloat16, out_dtype=torch.float32, window=6, rows=9, steps=(4, 4, 1),
+    ),
+]
+
+# Split-K settings small enough that short interpreter histories still split several ways.
+_SMALL_SPLITS = dict(_SPLIT_TARGET_PROGRAMS=8, _MAX_SPLITS=4, _MIN_SPLIT_KEYS=64)
+
+
+# ---------------------------------------------------------------------------------------------
+# Interpreter (CPU) tests
+# ---------------------------------------------------------------------------------------------
+
+
+@needs_triton
+def test_interpreter_suite():
+    """Run the ``test_interp_*`` cases in a child process with ``TRITON_INTERPRET=1``."""
+    if INTERPRETING:
+        pytest.skip("this process is the interpreter child; its cases run directly")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-k", "test_interp_", "-q",
+         "-p", "no:cacheprovider", "-W", "ignore::DeprecationWarning"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    report = proc.stdout[-8000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, report
+    assert " passed" in proc.stdout and " skipped" not in proc.stdout, report
+
+
+@interpreter_only
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_interp_matches_portable(case, monkeypatch):
+    for name, value in _SMALL_SPLITS.items():
+        monkeypatch.setattr(triton_attend, name, value)
+    run_session(case, "cpu")
+
+
+@interpreter_only
+def test_interp_default_split_settings_long_decode():
+    """The production split settings (64 splits, >= 256 keys each) over a 700-key history."""
+    run_session(Case("default_splits", rows=720, history=700, steps=(1,)), "cpu")
+
+
+@interpreter_only
+def test_interp_decode_really_splits(monkeypatch):
+    """A decode step over a long history takes the split-K path and uses several splits: the
+    partial rows of exactly the splits the plan says get written (the buffers are NaN-filled
+    first), and the combine kernel merges them into the output compared above."""
+    for name, value in _SMALL_SPLITS.items():
+        monkeypatch.setattr(triton_attend, name, value)
+    real = triton_attend._attend_kernel
+    partial_maxima = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                if kwargs["SPLIT"] and grid[0] > 0:
+                    args[6].fill_(float("nan"))  # part_m
+                    real[grid](*args, **kwargs)
+                    partial_maxima.append(args[6].clone())
+                else:
+                    real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(triton_attend, "_attend_kernel", Spy())
+    monkeypatch.setattr(torch.library, "wrap_triton", lambda kernel: kernel)
+    # 331 visible keys, at most 4 splits of >= 64 keys in 64-key blocks: 3 chunks of 128.
+    run_session(Case("spy", hq=4, hkv=2, rows=400, history=330, steps=(1,)), "cpu")
+    (part_m,) = partial_maxima  # [B * Hkv, splits, tile rows]
+    group = 2
+    assert torch.isfinite(part_m[:, :3, :group]).all(), part_m[:, :, :group]
+    assert part_m[:, 3:].isnan().all() and part_m[:, :, group:].isnan().all()
+
+
+@interpreter_only
+def test_interp_position_beyond_flat_capacity_is_not_written():
+    """A flat write past the last row is dropped instead of corrupting memory."""
+    case = Case("overflow", rows=8)
+    k_store, v_store = _poisoned_storage(case, "cpu")
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, position = _step_inputs(case, 8, 1, gen, "cpu")
+    triton_update_and_attend(q, k, v, position, k_store, v_store, None, 0.25, torch.float32)
+    assert k_store.isnan().all() and v_store.isnan().all()
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU tests without kernels
+# ---------------------------------------------------------------------------------------------
+
+
+class _TwoLayerStep(torch.nn.Module):
+    """A flat and a ring layer sharing q/k/v, fed BTHD projections like a model."""
+
+    def __init__(self, window: int, out_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.window = window
+        self.out_dtype = out_dtype
+
+    def forward(self, q, k, v, position, k_flat, v_flat, k_ring, v_ring):
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        scale = q.shape[-1] ** -0.5
+        flat = triton_update_and_attend(
+            q, k, v, position, k_flat, v_flat, None, scale, self.out_dtype
+        )
+        ring = triton_update_and_attend(
+            q, k, v, position, k_ring, v_ring, self.window, scale, self.out_dtype
+        )
+        return flat, ring
+
+
+def _two_layer_inputs(t, rows_flat, rows_ring, device, dtype, b=1, hq=4, hkv=2, d=64):
+    return (
+        torch.randn(b, t, hq, d, device=device, dtype=dtype),
+        torch.randn(b, t, hkv, d, device=device, dtype=dtype),
+        torch.randn(b, t, hkv, d, device=device, dtype=dtype),
+        torch.arange(t, dtype=torch.int64, device=device),
+        torch.zeros(b, hkv, rows_flat, d, device=device, dtype=dtype),
+        torch.zeros(b, hkv, rows_flat, d, device=device, dtype=dtype),
+        torch.zeros(b, hkv, rows_ring, d, device=device, dtype=dtype),
+        torch.zeros(b, hkv, rows_ring, d, device=device, dtype=dtype),
+    )
+
+
+def _export_two_layers(device: str, dtype: torch.dtype, window: int = 16, rows_ring: int = 23):
+    from torch.export import Dim
+
+    args = _two_layer_inputs(5, 48, rows_ring, device, dtype)
+    t, rows = Dim.DYNAMIC, Dim.DYNAMIC
+    shapes = ({1: t}, {1: t}, {1: t}, {0: t}, {2: rows}, {2: rows}, {}, {})
+    ep = torch.export.export(
+        _TwoLayerStep(window, dtype), args, dynamic_shapes=shapes, strict=False
+    )
+    return ep
+
+
+@needs_triton
+@pytest.mark.skipif(INTERPRETING, reason="export traces the kernels, not the interpreter")
+def test_export_keeps_one_node_per_layer_with_dynamic_width_and_rows():
+    """The host code runs on SymInts (T and the flat rows stay dynamic), and export records the
+    op, not its kernels: one node per layer."""
+    ep = _export_two_layers("cpu", torch.float32)
+    targets = [
+        n.target for n in ep.graph.nodes
+        if n.op == "call_function" and "triton_update_and_attend" in str(n.target)
+    ]
+    assert len(targets) == 2, ep.graph
+    sym = [str(s) for s in ep.graph_signature.user_inputs]
+    assert sym[:4] == ["q", "k", "v", "position"]
+    placeholders = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
+    flat_rows = placeholders["k_flat"].meta["val"].shape[2]
+    assert isinstance(flat_rows, torch.SymInt), "flat rows were specialized"
+    assert isinstance(placeholders["q"].meta["val"].shape[1], torch.SymInt), "T was specialized"
+
+
+def test_window_must_be_positive():
+    if not HAVE_TRITON:
+        pytest.skip("triton is not installed")
+    q = torch.zeros(1, 1, 1, 16)
+    with pytest.raises(ExportError, match="window"):
+        triton_update_and_attend(q, q, q, torch.zeros(1, dtype=torch.int64), q, q, 0, 1.0,
+                                 torch.float32)
+
+
+def test_missing_triton_raises_export_error_only_when_used():
+    """Without triton the module imports; calling the step raises ExportError naming triton."""
+    code = (
+        "import sys\n"
+        "sys.modules['triton'] = None\n"  # makes `import triton` raise ImportError
+        "sys.modules['triton.language'] = None\n"
+        "import torch\n"
+        "from offgraph_export.errors import ExportError\n"
+        "from offgraph_export.lowering import triton_attend as m\n"
+        "assert not m.triton_available()\n"
+        "x = torch.zeros(1, 1, 1, 16)\n"
+        "try:\n"
+        "    m.triton_update_and_attend(x, x, x, torch.zeros(1, dtype=torch.int64), x, x, None,"
+        " 1.0, torch.float32)\n"
+        "except ExportError as e:\n"
+        "    assert 'triton' in str(e), e\n"
+        "    print('OK')\n"
+    )
+    env = {**os.environ}
+    env.pop("TRITON_INTERPRET", None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU tests
+# ---------------------------------------------------------------------------------------------
+
+GPU_CASES = CASES + [
+    Case("gpu_llama1b_decode_bf16", hq=32, hkv=8, d=64, dv=64, rows=4096, history=3000,
+         steps=(1, 1), store_dtype=torch.bfloat16),
+    Case("gpu_llama1b_prefill_bf16", hq=32, hkv=8, d=64, dv=64, rows=4096, history=1000,
+         steps=(300, 2), store_dtype=torch.bfloat16),
+    Case("gpu_hd128_decode_bf16", hq=8, hkv=2, d=128, dv=128, rows=9000, history=8191,
+         steps=(1,), store_dtype=torch.bfloat16),
+    Case("gpu_hd128_prefill_fp16", hq=16, hkv=4, d=128, dv=128, rows=2048, history=700,
+         steps=(129,), store_dtype=torch.float16),
+    Case("gpu_hd128_ring_window_decode", hq=8, hkv=2, d=128, dv=128, window=4096, rows=4096 + 63,
+         history=10000, steps=(64, 1, 1), store_dtype=torch.bfloat16),
+    Case("gpu_fp32_long_decode", hq=8, hkv=2, d=64, dv=64, rows=5000, history=4500, steps=(1,)),
+    Case("gpu_mqa_group32_decode", hq=32, hkv=1, d=64, dv=64, rows=3000, history=2500,
+         steps=(1, 2), store_dtype=torch.bfloat16),
+    Case("gpu_batch4_decode", batch=4, hq=8, hkv=2, d=64, dv=64, rows=2048, history=1500,
+         steps=(1,), store_dtype=torch.bfloat16),
+]
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c.id for c in GPU_CASES])
+def test_cuda_matches_portable(case):
+    run_session(case, "cuda")
+    torch.cuda.synchronize()
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_compiled_step_adds_no_copies():
+    """Compiled (Inductor, dynamic shapes), the step must launch only its own kernels: a clone
+    of the storage (a functionalization copy Inductor failed to re-inplace) would turn every step
+    into a whole-cache copy."""
+    from torch._inductor.utils import run_and_get_code
+
+    mod = _TwoLayerStep(16, torch.bfloat16)
+    args = _two_layer_inputs(5, 64, 23, "cuda", torch.bfloat16)
+    for x in args[:3]:
+        torch._dynamo.maybe_mark_dynamic(x, 1)  # T
+    torch._dynamo.maybe_mark_dynamic(args[3], 0)
+    torch._dynamo.maybe_mark_dynamic(args[4], 2)  # flat rows
+    torch._dynamo.maybe_mark_dynamic(args[5], 2)
+    compiled = torch.compile(mod, fullgraph=True)
+    _, codes = run_and_get_code(compiled, *args)
+    code = "\n".join(codes)
+    assert "_write_rows_kernel" in code and "_attend_kernel" in code, code[-4000:]
+    for word in ("triton_poi", "clone", ".copy_("):
+        assert word not in code, f"compiled step contains {word!r}:\n{code[-6000:]}"
+
+
+_LIBSTDCXX = "/usr/lib/x86_64-linux-gnu/libstdc++.so.6"
+_AOTI_CHILD = "OFFGRAPH_TRITON_AOTI_CHILD"
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+@needs_cuda
+def test_cuda_aoti_package_matches_portable(tmp_path):
+    """torch.export + AOTInductor: the package writes the storage in place and matches the
+    portable step over a session (prefill, short steps, decode over a longer flat history that
+    takes the split path; the ring wraps). Dynamic T and flat rows: the package is compiled with
+    example T=5, rows=48 and run with other widths and a larger flat storage.
+
+    Loading a package on the GPU machine needs libstdc++ preloaded (DEVICE.md), so unless it is,
+    the test re-runs itself in a child process that has it."""
+    preload = os.environ.get("LD_PRELOAD", "")
+    if os.path.exists(_LIBSTDCXX) and _LIBSTDCXX not in preload and not os.environ.get(_AOTI_CHILD):
+        env = {**os.environ, "LD_PRELOAD": ":".join(filter(None, [_LIBSTDCXX, preload])),
+               _AOTI_CHILD: "1"}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", f"{__file__}::{test_cuda_aoti_package_matches_portable.__name__}",
+             "-q", "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "child")],
+            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=1800,
+        )
+        report = proc.stdout[-8000:] + proc.stderr[-4000:]
+        assert proc.returncode == 0 and " passed" in proc.stdout, report
+        return
+
+    dtype = torch.bfloat16
+    window, rows_ring = 16, 23
+    ep = _export_two_layers("cuda", dtype, window, rows_ring)
+    path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "step.pt2"))
+    runner = torch._inductor.aoti_load_package(path)
+
+    b, hq, hkv, d, rows_flat = 1, 4, 2, 64, 2048
+    nan = float("nan")
+    k_flat = torch.full((b, hkv, rows_flat, d), nan, dtype=dtype, device="cuda")
+    v_flat, k_ring, v_ring = (
+        k_flat.clone(),
+        torch.full((b, hkv, rows_ring, d), nan, dtype=dtype, device="cuda"),
+        torch.full((b, hkv, rows_ring, d), nan, dtype=dtype, device="cuda"),
+    )
+    ref = [x.clone() for x in (k_flat, v_flat, k_ring, v_ring)]
+    gen = torch.Generator().manual_seed(0)
+    scale = d**-0.5
+    tol = _tolerance(dtype)
+    start = 0
+    widths = (20, 3, 1, 8, *([64] * 15), 40, 1, 1, 2)  # ends past 1000 positions
+    for step, t in enumerate(widths):
+        q = torch.randn(b, t, hq, d, generator=gen).to("cuda", dtype)
+        k = torch.randn(b, t, hkv, d, generator=gen).to("cuda", dtype)
+        v = torch.randn(b, t, hkv, d, generator=gen).to("cuda", dtype)
+        position = torch.arange(start, start + t, dtype=torch.int64, device="cuda")
+        flat, ring = runner(q, k, v, position, k_flat, v_flat, k_ring, v_ring)
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        flat_ref = portable_update_and_attend(qt, kt, vt, position, ref[0], ref[1], None, scale, dtype)
+        ring_ref = portable_update_and_attend(qt, kt, vt, position, ref[2], ref[3], window, scale,
+                                              dtype)
+        torch.cuda.synchronize()
+        where = f"step {step} (T={t}, positions {start}..{start + t - 1})"
+        for got, want, name in ((flat, flat_ref, "flat"), (ring, ring_ref, "ring")):
+            assert torch.isfinite(got.float()).all(), f"{where}: {name} output not finite"
+            torch.testing.assert_close(got.float(), want.float(), msg=lambda m: f"{where} {name}: {m}",
+                                       **tol)
+        for got, want in zip((k_flat, v_flat, k_ring, v_ring), ref):
+            torch.testing.assert_close(got, want, atol=0, rtol=0, equal_nan=True)
+        start += t
+        assert k_flat[:, :, start:].isnan().all() and v_flat[:, :, start:].isnan().all(), where
