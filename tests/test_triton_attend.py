@@ -127,6 +127,11 @@ def run_session(case: Case, device: str) -> None:
     q_dtype = case.q_dtype or case.store_dtype
     out_dtype = case.out_dtype or q_dtype
     tol = _tolerance(case.store_dtype, q_dtype, out_dtype)
+    # Written rows are bit-exact casts; except that the Triton *interpreter* truncates fp32 ->
+    # bf16 instead of rounding to nearest even (GPUs round like torch), so allow one bf16 ulp there.
+    store_tol = dict(atol=0.0, rtol=0.0)
+    if INTERPRETING and case.store_dtype == torch.bfloat16 and q_dtype != torch.bfloat16:
+        store_tol = dict(atol=0.0, rtol=2**-7)
     start = case.history
     for step, t in enumerate(case.steps):
         q, k, v, position = _step_inputs(case, start, t, gen, device)
@@ -140,8 +145,8 @@ def run_session(case: Case, device: str) -> None:
         assert out.shape == ref.shape and out.dtype == out_dtype, where
         assert torch.isfinite(out.float()).all(), f"{where}: non-finite output (NaN leaked?)"
         torch.testing.assert_close(out.float(), ref.float(), msg=lambda m: f"{where}: {m}", **tol)
-        torch.testing.assert_close(k_tri, k_ref, atol=0, rtol=0, equal_nan=True)
-        torch.testing.assert_close(v_tri, v_ref, atol=0, rtol=0, equal_nan=True)
+        torch.testing.assert_close(k_tri, k_ref, equal_nan=True, **store_tol)
+        torch.testing.assert_close(v_tri, v_ref, equal_nan=True, **store_tol)
         start += t
         untouched = _never_written_rows(case, start)
         assert k_tri[:, :, untouched].isnan().all() and v_tri[:, :, untouched].isnan().all(), where

@@ -147,7 +147,7 @@ def _write_rows_kernel(
     key = tl.load(k_ptr + b * sk_b + h * sk_h + t * sk_t + offs_d * sk_d, mask=d_ok, other=0.0)
     tl.store(
         k_store_ptr + b * sks_b + h * sks_h + row * sks_r + offs_d * sks_d,
-        key.to(k_store_ptr.dtype.element_ty),
+        key.to(k_store_ptr.dtype.element_ty),  # round to nearest even, as torch's .to()
         mask=d_ok,
     )
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -480,7 +480,7 @@ def _lowered_step(
         HEAD_DIM=d, V_DIM=dv, BLOCK_D=block_d, BLOCK_DV=block_dv, IS_RING=is_ring,
     )
 
-    sixteen_bit = (torch.float16, torch.bfloat16)
+    sixteen_bit = (torch.float16,) if _INTERPRETED else (torch.float16, torch.bfloat16)
     qk_fp32 = not (q.dtype == k_store.dtype and k_store.dtype in sixteen_bit)
     pv_fp32 = v_store.dtype not in sixteen_bit
     block_n = 64 if block_d <= 128 and block_dv <= 128 else 32
@@ -528,6 +528,12 @@ def _lowered_step(
         )
     return out
 
+
+#: True when TRITON_INTERPRET=1 made ``triton.jit`` build interpreted kernels (the CPU tests). The
+#: interpreter computes bf16 ``tl.dot`` wrongly, so bf16 dots then go through fp32 instead.
+_INTERPRETED = _TRITON_IMPORT_ERROR is None and not isinstance(
+    _attend_kernel, triton.runtime.jit.JITFunction
+)
 
 if _TRITON_IMPORT_ERROR is None:
     _lowered_step_op = torch.library.triton_op(OP_NAME, mutates_args={"k_store", "v_store"})(

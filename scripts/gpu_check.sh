@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Everything the GPU machine checks, in one go:
+#   1. the CUDA-marked tests (Triton kernels against the reference, the Triton step through AOTI);
+#   2. export + check of the example for cuda in bf16 (flat and ring layers, growth across two
+#      boundaries, chunked prefill, ring wrap), with ordinary launches and with CUDA-graph decode;
+#   3. benchmarks: decode latency at 1k/16k history with and without CUDA graphs, attention
+#      kernel time versus history.
+# Usage: scripts/gpu_check.sh OUT_DIR [--quick]     (logs and JSON results land in OUT_DIR)
+set -uo pipefail
+OUT=${1:?usage: scripts/gpu_check.sh OUT_DIR}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+# AOTInductor packages segfault on load on that machine without the system C++ runtime first.
+export LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libstdc++.so.6
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if ! python3 -c 'import pydantic, sys; sys.exit(pydantic.VERSION < "2")' 2>/dev/null; then
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+    export PYTHONPATH="$PYTHONPATH:/tmp/site"
+  fi
+fi
+status=0
+step() { echo "== $1" | tee -a "$OUT/summary.txt"; }
+python3 - <<'PY' 2>&1 | tee "$OUT/env.txt"
+import torch, triton, pydantic
+print("torch", torch.__version__, "triton", triton.__version__, "pydantic", pydantic.VERSION)
+print(torch.cuda.get_device_name(), torch.cuda.get_device_capability())
+PY
+
+step "pytest -m cuda"
+python3 -m pytest -m cuda -q -rs tests 2>&1 | tee "$OUT/pytest_cuda.log" | tail -5 || true
+grep -qE "[0-9]+ passed" "$OUT/pytest_cuda.log" && ! grep -qE "[0-9]+ (failed|error)" "$OUT/pytest_cuda.log" || status=1
+
+ART=/tmp/offgraph_gpu/tiny_cuda.pt2
+step "export example for cuda (bf16)"
+python3 -m offgraph_export export examples/tiny_llama.py:build -o "$ART" --device cuda --dtype bfloat16 \
+  --max-capacity 32768 --initial-capacity 16 --max-write 256 --json 2>&1 | tee "$OUT/export.log" || status=1
+
+step "check (ordinary launches)"
+python3 -m offgraph_export check "$ART" --steps 24 > "$OUT/check.txt" 2>&1 || status=1
+head -4 "$OUT/check.txt" | tee -a "$OUT/summary.txt"
+step "check (CUDA-graph decode)"
+python3 -m offgraph_export check "$ART" --steps 24 --cuda-graphs > "$OUT/check_graphs.txt" 2>&1 || status=1
+head -6 "$OUT/check_graphs.txt" | tee -a "$OUT/summary.txt"
+
+if [ "${2:-}" != "--quick" ]; then
+  step "graph decode == eager-launch decode"
+  python3 scripts/compare_graph_decode.py "$ART" 2>&1 | tee -a "$OUT/summary.txt" || status=1
+  step "bench decode"
+  python3 scripts/bench_decode.py "$ART" --history 1024 16384 --steps 200 --out "$OUT/bench_decode.json" 2>&1 | tail -4 | tee -a "$OUT/summary.txt" || status=1
+  step "bench attention"
+  python3 scripts/bench_attention.py --out "$OUT/bench_attention.json" 2>&1 | tee -a "$OUT/summary.txt" || status=1
+fi
+echo "gpu_check status: $status" | tee -a "$OUT/summary.txt"
+exit $status
