@@ -7,7 +7,6 @@ inputs, K then V per layer, in order of appearance in the graph.
 
 from __future__ import annotations
 
-import torch
 from torch.export import ExportedProgram
 
 from offgraph_export.errors import ExportError, SpecError
@@ -69,6 +68,3 @@ def build_manifest(ep: ExportedProgram, config: CacheConfig) -> CacheManifest:
     except ValueError as exc:
         raise SpecError(f"cannot build a valid manifest: {exc}") from exc
 
-
-def storage_dtype(manifest: CacheManifest) -> torch.dtype:
-    return getattr(torch, manifest.storage_dtype)

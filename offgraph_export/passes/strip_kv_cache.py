@@ -109,7 +109,10 @@ def dynamic_dim(lo: int, hi: int | None) -> object:
     range but that the strict solver cannot prove, on torch 2.11 and 2.13 alike. A hint accepts
     such guards and still fails if the dimension would be specialized to a constant.
     """
-    return Dim.DYNAMIC(min=lo, max=hi) if hi is not None else Dim.DYNAMIC(min=lo)
+    try:
+        return Dim.DYNAMIC(min=lo, max=hi) if hi is not None else Dim.DYNAMIC(min=lo)
+    except TypeError:  # a torch whose hints take no range: unbounded hint, ranges checked at runtime
+        return Dim.DYNAMIC
 
 
 def _input_dynamic_shapes(ep: ExportedProgram) -> tuple[list[dict[int, Dim]], dict]:

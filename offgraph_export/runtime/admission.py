@@ -33,7 +33,7 @@ def admit_step(specs: ArtifactSpecs, inputs: Sequence[object], used: int) -> int
         label = f"input {i} ({spec.name})"
         if not isinstance(x, torch.Tensor):
             raise StepRefused(f"{label} must be a tensor, got {type(x).__name__}")
-        if str(x.dtype).removeprefix("torch.") != spec.dtype:
+        if x.dtype != getattr(torch, spec.dtype):
             raise StepRefused(f"{label} must be {spec.dtype}, got {x.dtype}")
         if x.device.type != specs.device:
             raise StepRefused(f"{label} must be on {specs.device}, got {x.device}")
