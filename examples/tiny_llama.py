@@ -136,16 +136,29 @@ def build(
     batch_size: int = 1,
     head_dim: int = 16,
     seed: int = 0,
+    dim: int = 64,
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    hidden_dim: int = 128,
+    vocab_size: int = 256,
+    device: str = "cpu",
 ) -> ModelBundle:
     """The bundled example: by default two layers, layer 0 flat and the last layer a ring of
-    ``ring_window`` (pass ``ring_window=None`` for all-flat)."""
+    ``ring_window`` (pass ``ring_window=None`` for all-flat). The size arguments scale it up to
+    real shapes for benchmarks, e.g. Llama-3.2-1B: ``n_layers=16 dim=2048 n_heads=32
+    n_kv_heads=8 head_dim=64 hidden_dim=8192 vocab_size=128256`` (random weights)."""
     ring = {n_layers - 1: ring_window} if ring_window else {}
-    cfg = TinyLlamaConfig(n_layers=n_layers, ring_windows=ring, head_dim=head_dim)
+    cfg = TinyLlamaConfig(
+        n_layers=n_layers, ring_windows=ring, head_dim=head_dim, dim=dim, n_heads=n_heads,
+        n_kv_heads=n_kv_heads, hidden_dim=hidden_dim, vocab_size=vocab_size,
+    )
     torch.manual_seed(seed)
-    model = TinyLlama(cfg)
-    for p in model.parameters():  # larger than default init so attention is not uniform
+    with torch.device(device):
+        model = TinyLlama(cfg)
+    std = 0.2 if dim <= 256 else dim**-0.5  # above default init so attention is not uniform
+    for p in model.parameters():
         if p.dim() == 2:
-            nn.init.normal_(p, std=0.2)
+            nn.init.normal_(p, std=std)
     model = model.to(getattr(torch, dtype)).eval()
     t = 4
     tokens = torch.randint(0, cfg.vocab_size, (batch_size, t))

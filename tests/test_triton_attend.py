@@ -88,13 +88,12 @@ def _poisoned_storage(case: Case, device: str) -> tuple[torch.Tensor, torch.Tens
     k_store = torch.full(shape_k, float("nan"), dtype=case.store_dtype, device=device)
     v_store = torch.full(shape_v, float("nan"), dtype=case.store_dtype, device=device)
     gen = torch.Generator().manual_seed(case.seed + 1000)
-    held = range(case.history) if case.window is None else range(
-        max(0, case.history - case.rows), case.history
-    )
-    for p in held:
-        row = p if case.window is None else p % case.rows
-        k_store[:, :, row] = torch.randn(shape_k[:2] + shape_k[3:], generator=gen).to(k_store)
-        v_store[:, :, row] = torch.randn(shape_v[:2] + shape_v[3:], generator=gen).to(v_store)
+    first = 0 if case.window is None else max(0, case.history - case.rows)
+    held = torch.arange(first, case.history)
+    rows = held if case.window is None else held % case.rows
+    n = len(held)
+    k_store[:, :, rows.to(device)] = torch.randn(*shape_k[:2], n, case.d, generator=gen).to(k_store)
+    v_store[:, :, rows.to(device)] = torch.randn(*shape_v[:2], n, case.dv, generator=gen).to(v_store)
     return k_store, v_store
 
 
@@ -102,9 +101,11 @@ def _step_inputs(case: Case, start: int, t: int, gen: torch.Generator, device: s
     """q, k, v as a model makes them: ``[B, T, H, D]`` projections transposed to BHSD (so they
     are non-contiguous views)."""
     dtype = case.q_dtype or case.store_dtype
-    q = torch.randn(case.batch, t, case.hq, case.d, generator=gen).to(device, dtype).transpose(1, 2)
-    k = torch.randn(case.batch, t, case.hkv, case.d, generator=gen).to(device, dtype).transpose(1, 2)
-    v = torch.randn(case.batch, t, case.hkv, case.dv, generator=gen).to(device, dtype).transpose(1, 2)
+    def bhsd(heads: int, dim: int) -> torch.Tensor:
+        x = torch.randn(case.batch, t, heads, dim, generator=gen)
+        return x.to(device, dtype).transpose(1, 2)
+
+    q, k, v = bhsd(case.hq, case.d), bhsd(case.hkv, case.d), bhsd(case.hkv, case.dv)
     position = torch.arange(start, start + t, dtype=torch.int64, device=device)
     if case.position_2d:
         position = position[:, None]
@@ -321,8 +322,8 @@ def test_export_keeps_one_node_per_layer_with_dynamic_width_and_rows():
         if n.op == "call_function" and "triton_update_and_attend" in str(n.target)
     ]
     assert len(targets) == 2, ep.graph
-    sym = [str(s) for s in ep.graph_signature.user_inputs]
-    assert sym[:4] == ["q", "k", "v", "position"]
+    names = list(ep.graph_signature.user_inputs)
+    assert names == ["q", "k", "v", "position", "k_flat", "v_flat", "k_ring", "v_ring"], names
     placeholders = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
     flat_rows = placeholders["k_flat"].meta["val"].shape[2]
     assert isinstance(flat_rows, torch.SymInt), "flat rows were specialized"
@@ -439,7 +440,8 @@ def test_cuda_aoti_package_matches_portable(tmp_path):
                _AOTI_CHILD: "1"}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
         proc = subprocess.run(
-            [sys.executable, "-m", "pytest", f"{__file__}::{test_cuda_aoti_package_matches_portable.__name__}",
+            [sys.executable, "-m", "pytest",
+             f"{__file__}::{test_cuda_aoti_package_matches_portable.__name__}",
              "-q", "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "child")],
             cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=1800,
         )
@@ -448,7 +450,7 @@ def test_cuda_aoti_package_matches_portable(tmp_path):
         return
 
     dtype = torch.bfloat16
-    window, rows_ring = 16, 23
+    window, rows_ring = 16, 16 + 64 - 1  # ring rows = window + max_write - 1 (widest step: 64)
     ep = _export_two_layers("cuda", dtype, window, rows_ring)
     path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "step.pt2"))
     runner = torch._inductor.aoti_load_package(path)
@@ -474,15 +476,19 @@ def test_cuda_aoti_package_matches_portable(tmp_path):
         position = torch.arange(start, start + t, dtype=torch.int64, device="cuda")
         flat, ring = runner(q, k, v, position, k_flat, v_flat, k_ring, v_ring)
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        flat_ref = portable_update_and_attend(qt, kt, vt, position, ref[0], ref[1], None, scale, dtype)
-        ring_ref = portable_update_and_attend(qt, kt, vt, position, ref[2], ref[3], window, scale,
-                                              dtype)
+        flat_ref = portable_update_and_attend(
+            qt, kt, vt, position, ref[0], ref[1], None, scale, dtype
+        )
+        ring_ref = portable_update_and_attend(
+            qt, kt, vt, position, ref[2], ref[3], window, scale, dtype
+        )
         torch.cuda.synchronize()
         where = f"step {step} (T={t}, positions {start}..{start + t - 1})"
         for got, want, name in ((flat, flat_ref, "flat"), (ring, ring_ref, "ring")):
             assert torch.isfinite(got.float()).all(), f"{where}: {name} output not finite"
-            torch.testing.assert_close(got.float(), want.float(), msg=lambda m: f"{where} {name}: {m}",
-                                       **tol)
+            torch.testing.assert_close(
+                got.float(), want.float(), msg=lambda m: f"{where} {name}: {m}", **tol
+            )
         for got, want in zip((k_flat, v_flat, k_ring, v_ring), ref):
             torch.testing.assert_close(got, want, atol=0, rtol=0, equal_nan=True)
         start += t

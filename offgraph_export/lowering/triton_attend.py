@@ -33,11 +33,12 @@ Choosing the split-K (flash-decoding) path
 ------------------------------------------
 A decode step has one query tile per kv head, which would leave most of the GPU idle over a long
 history. So the attention kernel is launched twice per step with grids that are complementary
-integer expressions of ``T`` (one of them is always empty, and an empty grid launches nothing,
-eagerly and in AOTInductor alike):
+integer expressions of ``T``: one of them is always empty (with a concrete ``T`` it is not
+launched at all; with a symbolic one the grid evaluates to 0 at run time and the launcher skips it,
+eagerly and in AOTInductor alike). No Python ``if`` on ``T``, which export would bake in.
 
-* small steps (``T <= _small_t(group)``: the step's query rows of a kv head fit one tile, e.g. decode)
-  run the *split* variant: grid ``(tiles, B*Hkv, S)`` where ``S`` (static, from ``B*Hkv``) is how
+* small steps (``T <= _small_t(group)``: a kv head's query rows fit one tile, e.g. decode) run
+  the *split* variant: grid ``(tiles, B*Hkv, S)`` where ``S`` (static, from ``B*Hkv``) is how
   many programs may share one tile's key range. On the device each tile cuts its own valid key range
   into chunks of at least ``_MIN_SPLIT_KEYS`` keys, so a short history uses one split (which writes
   the output directly; the reduce then does nothing) and a long one uses up to ``S`` splits that
@@ -483,7 +484,10 @@ def _lowered_step(
     sixteen_bit = (torch.float16,) if _INTERPRETED else (torch.float16, torch.bfloat16)
     qk_fp32 = not (q.dtype == k_store.dtype and k_store.dtype in sixteen_bit)
     pv_fp32 = v_store.dtype not in sixteen_bit
-    block_n = 64 if block_d <= 128 and block_dv <= 128 else 32
+    # Key block: 64 rows while a K/V tile row is <= 256 bytes (bf16 x 128), else 32, so the
+    # pipelined K and V tiles stay well inside shared memory (fp32 x 128, 16-bit x 256).
+    row_bytes = max(block_d, block_dv) * k_store.element_size()
+    block_n = 64 if row_bytes <= 256 else 32
     qk_scale = float(scale) * math.log2(math.e)
     common = dict(
         GROUP=group, HEAD_DIM=d, V_DIM=dv, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_N=block_n,

@@ -110,6 +110,8 @@ class Session:
     # -- lifecycle ------------------------------------------------------------------------------
     def reset(self) -> None:
         """Forget the history; storage (and its capacity) is kept for reuse."""
+        if self.closed:
+            raise StepRefused("this session is closed; open a new one with artifact.new_session()")
         self.used = 0
         if self.storage.poison:
             self.storage.poison_from(0)
