@@ -330,6 +330,18 @@ def test_export_keeps_one_node_per_layer_with_dynamic_width_and_rows():
     assert isinstance(placeholders["q"].meta["val"].shape[1], torch.SymInt), "T was specialized"
 
 
+@needs_triton
+def test_split_variant_gate():
+    """The split variant serves exactly the steps whose query rows fit its tile, and always
+    T = 1 and 2 (export's dynamic widths start at 2, so the gate must not be foldable to 0)."""
+    for group in (1, 2, 4, 8, 16, 32):
+        small_t = triton_attend._small_t(group)
+        assert small_t >= 2 and group * small_t <= triton_attend._split_block_m(group)
+        gates = [triton_attend._is_small_step(t, small_t) for t in range(1, 4 * small_t + 1)]
+        assert gates == [1] * small_t + [0] * (3 * small_t), group
+        assert triton_attend._is_small_step(100_000, small_t) == 0
+
+
 def test_window_must_be_positive():
     if not HAVE_TRITON:
         pytest.skip("triton is not installed")

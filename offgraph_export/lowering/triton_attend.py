@@ -120,8 +120,8 @@ def _write_rows_kernel(
     k_ptr, v_ptr, pos_ptr, k_store_ptr, v_store_ptr,
     sk_b, sk_h, sk_t, sk_d,
     sv_b, sv_h, sv_t, sv_d,
-    sks_b, sks_h, sks_r, sks_d,
-    svs_b, svs_h, svs_r, svs_d,
+    sks_b, sks_h, sks_r,
+    svs_b, svs_h, svs_r,
     pos_stride, rows, n_kv_heads,
     HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -147,7 +147,7 @@ def _write_rows_kernel(
     d_ok = offs_d < tl.where(in_range, HEAD_DIM, 0)
     key = tl.load(k_ptr + b * sk_b + h * sk_h + t * sk_t + offs_d * sk_d, mask=d_ok, other=0.0)
     tl.store(
-        k_store_ptr + b * sks_b + h * sks_h + row * sks_r + offs_d * sks_d,
+        k_store_ptr + b * sks_b + h * sks_h + row * sks_r + offs_d,
         key.to(k_store_ptr.dtype.element_ty),  # round to nearest even, as torch's .to()
         mask=d_ok,
     )
@@ -155,7 +155,7 @@ def _write_rows_kernel(
     dv_ok = offs_dv < tl.where(in_range, V_DIM, 0)
     val = tl.load(v_ptr + b * sv_b + h * sv_h + t * sv_t + offs_dv * sv_d, mask=dv_ok, other=0.0)
     tl.store(
-        v_store_ptr + b * svs_b + h * svs_h + row * svs_r + offs_dv * svs_d,
+        v_store_ptr + b * svs_b + h * svs_h + row * svs_r + offs_dv,
         val.to(v_store_ptr.dtype.element_ty),
         mask=dv_ok,
     )
@@ -224,9 +224,9 @@ def _attend_kernel(
     q_ptr, k_store_ptr, v_store_ptr, pos_ptr, out_ptr,
     part_acc_ptr, part_m_ptr, part_l_ptr,
     sq_b, sq_h, sq_t, sq_d,
-    sk_b, sk_h, sk_r, sk_d,
-    sv_b, sv_h, sv_r, sv_d,
-    so_b, so_h, so_t, so_d,
+    sk_b, sk_h, sk_r,
+    sv_b, sv_h, sv_r,
+    so_b, so_h, so_t,
     pos_stride, T, rows, window, n_kv_heads, qk_scale, num_splits,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
@@ -244,7 +244,11 @@ def _attend_kernel(
     Scores a query may not see are set to -inf *before* the max, and K/V loads outside the range
     are masked to 0, so nothing outside the valid rows enters the sums. ``QK_FP32``/``PV_FP32``
     pick fp32 (IEEE, not TF32) dot products when the operands are fp32 or of mixed dtypes; 16-bit
-    storage uses tensor cores with fp32 accumulation."""
+    storage uses tensor cores with fp32 accumulation.
+
+    Storage and output rows are contiguous (unit last-dim stride, written into the address
+    arithmetic rather than passed): only then can the compiler vectorize and software-pipeline
+    the K/V loads, whether or not the caller specializes strides equal to 1."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     split = tl.program_id(2)
@@ -288,7 +292,7 @@ def _attend_kernel(
             key_row = p_abs
         # K is loaded already transposed: [BLOCK_D, BLOCK_N].
         k = tl.load(
-            k_base + key_row[None, :] * sk_r + offs_d[:, None] * sk_d,
+            k_base + key_row[None, :] * sk_r + offs_d[:, None],
             mask=key_ok[None, :] & d_ok[:, None],
             other=0.0,
         )
@@ -310,7 +314,7 @@ def _attend_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
 
         v = tl.load(
-            v_base + key_row[:, None] * sv_r + offs_dv[None, :] * sv_d,
+            v_base + key_row[:, None] * sv_r + offs_dv[None, :],
             mask=key_ok[:, None] & dv_ok[None, :],
             other=0.0,
         )
@@ -322,7 +326,7 @@ def _attend_kernel(
         m_i = m_new
 
     out_tile = (
-        out_ptr + b * so_b + head[:, None] * so_h + tok[:, None] * so_t + offs_dv[None, :] * so_d
+        out_ptr + b * so_b + head[:, None] * so_h + tok[:, None] * so_t + offs_dv[None, :]
     )
     out_mask = row_ok[:, None] & dv_ok[None, :]
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -348,7 +352,7 @@ def _attend_kernel(
 @triton.jit
 def _combine_splits_kernel(
     pos_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-    so_b, so_h, so_t, so_d,
+    so_b, so_h, so_t,
     pos_stride, T, rows, window, n_kv_heads, num_splits,
     GROUP: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -395,7 +399,7 @@ def _combine_splits_kernel(
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     result = (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty)
     out_tile = (
-        out_ptr + b * so_b + head[:, None] * so_h + tok[:, None] * so_t + offs_dv[None, :] * so_d
+        out_ptr + b * so_b + head[:, None] * so_h + tok[:, None] * so_t + offs_dv[None, :]
     )
     merged = _rows_if(offs_m, GROUP * T, n_used > 1)
     tl.store(out_tile, result, mask=merged[:, None] & (offs_dv[None, :] < V_DIM))
@@ -412,9 +416,13 @@ def _pow2_at_least(n: int, floor: int = 16) -> int:
 
 
 def _split_block_m(group: int) -> int:
-    """Query-tile height of the split variant: a whole GQA group (tensor-core dots need 16 rows;
-    capped at 64 so very wide groups take several tiles)."""
-    return min(64, _pow2_at_least(group))
+    """Query-tile height of the split variant: two tokens of a whole GQA group (tensor-core dots
+    need 16 rows; capped at 64 so very wide groups take several tiles).
+
+    Two tokens, not one: export's dynamic token width starts at 2 (0/1 specialization), and a
+    gate that only admits T == 1 could be folded to "never" from that range, silently sending
+    decode to the tiled variant."""
+    return min(64, _pow2_at_least(2 * group))
 
 
 def _small_t(group: int) -> int:
@@ -465,6 +473,10 @@ def _lowered_step(
     torch._check(k.shape[2] == t, lambda: "k must have as many tokens as q")
     torch._check(v.shape[2] == t, lambda: "v must have as many tokens as q")
     torch._check(v_store.shape[2] == rows, lambda: "k_store and v_store must have equal rows")
+    torch._check(
+        k_store.stride(-1) == 1 and v_store.stride(-1) == 1,
+        lambda: "storage rows must be contiguous (last-dim stride 1)",
+    )
     group = int(hq // hkv)
     pos = position.reshape(-1)
     torch._check(pos.shape[0] == t, lambda: "position must hold one entry per token")
@@ -476,7 +488,7 @@ def _lowered_step(
     wrap_triton = torch.library.wrap_triton
     wrap_triton(_write_rows_kernel)[(t, b * hkv, 1)](
         k, v, pos, k_store, v_store,
-        *k.stride(), *v.stride(), *k_store.stride(), *v_store.stride(),
+        *k.stride(), *v.stride(), *k_store.stride()[:3], *v_store.stride()[:3],
         pos.stride(0), rows, hkv,
         HEAD_DIM=d, V_DIM=dv, BLOCK_D=block_d, BLOCK_DV=block_dv, IS_RING=is_ring,
     )
@@ -493,7 +505,7 @@ def _lowered_step(
         GROUP=group, HEAD_DIM=d, V_DIM=dv, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_N=block_n,
         MIN_SPLIT_KEYS=_MIN_SPLIT_KEYS, IS_RING=is_ring, QK_FP32=qk_fp32, PV_FP32=pv_fp32,
     )
-    strides = (*q.stride(), *k_store.stride(), *v_store.stride(), *out.stride())
+    strides = (*q.stride(), *k_store.stride()[:3], *v_store.stride()[:3], *out.stride()[:3])
     scalars = (pos.stride(0), t, rows, window, hkv, qk_scale)
 
     small_t = _small_t(group)
@@ -517,7 +529,7 @@ def _lowered_step(
         )
         wrap_triton(_combine_splits_kernel)[(split_tiles * small, b * hkv, 1)](
             pos, out, part_acc, part_m, part_l,
-            *out.stride(), pos.stride(0), t, rows, window, hkv, splits,
+            *out.stride()[:3], pos.stride(0), t, rows, window, hkv, splits,
             GROUP=group, V_DIM=dv, BLOCK_DV=block_dv, BLOCK_M=split_m, BLOCK_N=block_n,
             PART_ROWS=part_rows, MIN_SPLIT_KEYS=_MIN_SPLIT_KEYS, IS_RING=is_ring,
         )
