@@ -35,6 +35,7 @@ __all__ = [
     "lower",
     "export_and_lower",
     "default_step_impl",
+    "functionalize",
 ]
 
 Progress = Callable[[str], None]
@@ -121,10 +122,19 @@ def run_passes(
     manifest = build_manifest(ep, cache_config)
     validate_kv_sites(ep, manifest)
     stripped = strip_kv_cache(ep, manifest, example_inputs, impl=step_impl)
-    # Functionalize: in-place storage writes become declared user-input mutations.
-    stripped = stripped.run_decompositions({})
+    stripped = functionalize(stripped)
     name = step_impl if isinstance(step_impl, str) else getattr(step_impl, "__name__", "custom")
     return LoweredProgram(ep, stripped, step_width, manifest, name)
+
+
+def functionalize(ep: ExportedProgram) -> ExportedProgram:
+    """In-place storage writes become declared user-input mutations. Triton ops are decomposed
+    into their kernels here (export keeps them as opaque custom ops by default), so that
+    AOTInductor compiles the kernels into the package instead of calling the op by name."""
+    try:
+        return ep.run_decompositions({}, decompose_custom_triton_ops=True)
+    except TypeError:  # a torch without the flag
+        return ep.run_decompositions({})
 
 
 def lower(program: LoweredProgram, path: str | Path, device: str, **model_info) -> Path:

@@ -5,8 +5,9 @@ whole storage.
     python scripts/bench_attention.py [--capacity 32768] [--history 1024 16384] [--out FILE]
 
 Shape: Llama-3.2-1B attention (32 query heads, 8 KV heads, head dim 64), batch 1, bf16 storage,
-one decode token. Times are medians over ``--iters`` calls, each bracketed by CUDA events. Each
-call also writes its token's row (position = history), as the lowered step does.
+one decode token. Times are medians over ``--iters`` CUDA-graph replays of one call, each
+bracketed by CUDA events. Each call also writes its token's row (position = history), as the
+lowered step does.
 """
 
 from __future__ import annotations
@@ -22,13 +23,24 @@ from offgraph_export.lowering.triton_attend import triton_update_and_attend
 
 
 def time_ms(fn, iters: int) -> float:
-    for _ in range(10):
+    """Median GPU time of ``fn`` replayed as a CUDA graph (so Python launch overhead, which for
+    a few microsecond-scale kernels exceeds their run time, is not measured)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
         fn()
+    for _ in range(10):
+        graph.replay()
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        graph.replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))

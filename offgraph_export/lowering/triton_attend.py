@@ -300,7 +300,9 @@ def _attend_kernel(
             s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
         else:
             s = tl.dot(q, k)
-        s = s * qk_scale
+        # Inductor may hand a Python float argument to the kernel as fp64: keep the scores fp32
+        # so the loop-carried softmax state keeps one type.
+        s = (s * qk_scale).to(tl.float32)
         seen = key_ok[None, :] & row_ok[:, None] & (p_abs[None, :] <= qpos[:, None])
         if IS_RING:
             seen = seen & (p_abs[None, :] > qpos[:, None] - window)
