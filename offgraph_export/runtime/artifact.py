@@ -28,6 +28,9 @@ class Artifact:
 
     @property
     def device(self) -> torch.device:
+        """The device the program runs on, with its index (``cuda:0``, as tensors report it)."""
+        if self.specs.device == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
         return torch.device(self.specs.device)
 
     @classmethod
