@@ -28,6 +28,15 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def _dense(x: torch.Tensor) -> torch.Tensor:
+    """The compiled code indexes inputs as contiguous (AOTI does not check strides: a strided
+    view such as ``ids[:, a:b]`` of a batch > 1 would be misread silently) and assumes 16-byte
+    aligned data (a misaligned view makes AOTI copy it with a warning on every call)."""
+    if x.is_contiguous() and x.data_ptr() % 16 == 0:
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
+
+
 class SessionMetrics(BaseModel):
     committed_length: int
     capacity: int
@@ -82,9 +91,7 @@ class Session:
 
     def run(self, inputs: Sequence[torch.Tensor], width: int) -> list[torch.Tensor]:
         """Launch the compiled program on prepared storage (no commit)."""
-        # The compiled code indexes inputs as contiguous (AOTI does not check strides): a strided
-        # view such as ``ids[:, a:b]`` of a batch > 1 would be misread silently.
-        inputs = [x if x.is_contiguous() else x.contiguous() for x in inputs]
+        inputs = [_dense(x) for x in inputs]
         if self._graphs is not None and self._graphs.accepts(width):
             return self._graphs.run(inputs)
         return self.artifact.run([*inputs, *self.storage.bound()])
