@@ -1,7 +1,8 @@
 """offgraph-export: export LLM decoders whose KV cache lives off the graph.
 
-The public API is re-exported lazily from the submodules so that importing the package
-registers nothing and costs nothing; see ``offgraph_export.pipeline`` for the one-call path.
+Importing the package loads only the error types (no torch, no op or pass registration). The API
+lives in its modules: ``pipeline`` (export -> passes -> lowering), ``passes.*`` (each pass alone),
+``runtime`` (artifact, sessions, check), ``ops`` (the neutral op), ``specs`` (compile specs).
 """
 
 from offgraph_export.errors import (

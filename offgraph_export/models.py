@@ -8,7 +8,7 @@ import importlib
 import importlib.util
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,7 +36,6 @@ class ModelBundle:
     vocab_size: int
     encode: Callable[[str], list[int]] | None = None
     decode: Callable[[list[int]], str] | None = None
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if len(self.token_dims) != len(self.example_inputs):
