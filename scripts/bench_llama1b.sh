@@ -6,12 +6,7 @@ set -uo pipefail
 OUT=${1:?usage: scripts/bench_llama1b.sh OUT_DIR}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
-export LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libstdc++.so.6
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-if ! python3 -c 'import pydantic' 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-  export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
+source scripts/gpu_env.sh
 ART=/tmp/offgraph_gpu/llama1b.pt2
 python3 -m offgraph_export export examples/tiny_llama.py:build -o "$ART" --device cuda --dtype bfloat16 \
   -a n_layers=16 -a dim=2048 -a n_heads=32 -a n_kv_heads=8 -a head_dim=64 -a hidden_dim=8192 \

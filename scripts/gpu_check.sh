@@ -10,15 +10,7 @@ set -uo pipefail
 OUT=${1:?usage: scripts/gpu_check.sh OUT_DIR}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
-# AOTInductor packages segfault on load on that machine without the system C++ runtime first.
-export LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libstdc++.so.6
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-if ! python3 -c 'import pydantic, sys; sys.exit(pydantic.VERSION < "2")' 2>/dev/null; then
-  if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-    export PYTHONPATH="$PYTHONPATH:/tmp/site"
-  fi
-fi
+source scripts/gpu_env.sh
 status=0
 step() { echo "== $1" | tee -a "$OUT/summary.txt"; }
 python3 - <<'PY' 2>&1 | tee "$OUT/env.txt"
