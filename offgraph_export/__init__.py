@@ -2,7 +2,8 @@
 
 Importing the package loads only the error types (no torch, no op or pass registration). The API
 lives in its modules: ``pipeline`` (export -> passes -> lowering), ``passes.*`` (each pass alone),
-``runtime`` (artifact, sessions, check), ``ops`` (the neutral op), ``specs`` (compile specs).
+``runtime`` (artifact, sessions), ``check`` (the spec check), ``ops`` (the neutral op), ``specs``
+(compile specs and the storage rules). The contract is docs/design.md.
 """
 
 from offgraph_export.errors import (

@@ -42,7 +42,7 @@ def generate(
     logits = None
     for start in range(0, ids.shape[1], manifest.max_write):
         chunk = ids[:, start : start + manifest.max_write]
-        logits = session.step(*make_inputs(chunk, session.used))[0]
+        logits = session.step(*make_inputs(chunk, session.committed_length))[0]
     result = GenerationResult(new_tokens=[])
     for _ in range(max_new_tokens):
         assert logits is not None
@@ -54,7 +54,7 @@ def generate(
         if len(result.new_tokens) == max_new_tokens:
             break
         t0 = time.perf_counter()
-        logits = session.step(*make_inputs(next_id.view(batch, 1), session.used))[0]
+        logits = session.step(*make_inputs(next_id.view(batch, 1), session.committed_length))[0]
         if device.type == "cuda":
             torch.cuda.synchronize()
         result.step_ms.append((time.perf_counter() - t0) * 1e3)

@@ -8,7 +8,7 @@ import importlib
 import importlib.util
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -58,7 +58,8 @@ def resolve_factory(spec: str) -> Callable[..., ModelBundle]:
             raise OffgraphError(f"model factory file {str(path)!r} does not exist")
         name = f"_offgraph_model_{abs(hash(str(path.resolve())))}"
         module_spec = importlib.util.spec_from_file_location(name, path)
-        assert module_spec is not None and module_spec.loader is not None
+        if module_spec is None or module_spec.loader is None:
+            raise OffgraphError(f"model factory file {str(path)!r} cannot be loaded as a module")
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[name] = module
         module_spec.loader.exec_module(module)
@@ -88,15 +89,19 @@ def parse_factory_args(pairs: list[str] | tuple[str, ...]) -> dict[str, object]:
 
 
 def cast_bundle(bundle: ModelBundle, dtype: str | None) -> ModelBundle:
-    """Cast the model's floating weights to ``dtype`` and store the cache in it too."""
+    """A bundle whose model computes in ``dtype`` and stores its cache in it too. The bundle
+    given is left as it was, but its module is cast in place (``nn.Module.to``): copying the
+    weights first would double a large model's memory."""
     if dtype is None:
         return bundle
     torch_dtype = getattr(torch, dtype, None)
     if not isinstance(torch_dtype, torch.dtype) or not torch_dtype.is_floating_point:
         raise OffgraphError(f"dtype {dtype!r} is not a floating torch dtype (float32, float16, bfloat16)")
-    bundle.model = bundle.model.to(torch_dtype)
-    bundle.cache_config = bundle.cache_config.model_copy(update={"storage_dtype": dtype})
-    return bundle
+    return replace(
+        bundle,
+        model=bundle.model.to(torch_dtype),
+        cache_config=bundle.cache_config.with_overrides(storage_dtype=dtype),  # type: ignore[arg-type]
+    )
 
 
 def load_bundle(spec: str, **kwargs) -> ModelBundle:

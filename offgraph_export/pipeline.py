@@ -2,6 +2,7 @@
 
     export_model      nn.Module -> ExportedProgram (dynamic token width)
     run_passes        validate -> record step width -> build manifest -> strip -> functionalize
+                      (each pass alone: offgraph_export.passes.*)
     lower             stripped program -> .pt2 (AOTInductor, specs embedded)
     export_and_lower  all of the above from a ModelBundle
 """
@@ -10,20 +11,26 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.export import ExportedProgram
 
+from offgraph_export.compat import dynamic_dim
 from offgraph_export.errors import ExportError
 from offgraph_export.lowering.aoti import compile_package
+from offgraph_export.lowering.step_impls import StepImpl, default_step_impl, step_impl_name
 from offgraph_export.models import ModelBundle
 from offgraph_export.passes.build_manifest import build_manifest
-from offgraph_export.passes.record_step_width import record_step_width, user_input_nodes
-from offgraph_export.passes.strip_kv_cache import dynamic_dim, strip_kv_cache
+from offgraph_export.passes.functionalize import functionalize
+from offgraph_export.passes.graph_utils import describe_inputs, user_input_nodes
+from offgraph_export.passes.record_step_width import record_step_width
+from offgraph_export.passes.result import PassResult
+from offgraph_export.passes.strip_kv_cache import strip_kv_cache
 from offgraph_export.passes.validate import validate_kv_sites
-from offgraph_export.specs.artifact import ArtifactSpecs, InputSpec, SymbolRange
+from offgraph_export.specs.artifact import ArtifactSpecs
 from offgraph_export.specs.cache_config import CacheConfig
 from offgraph_export.specs.manifest import CacheManifest
 from offgraph_export.specs.step_width import StepWidthSpec
@@ -34,8 +41,6 @@ __all__ = [
     "run_passes",
     "lower",
     "export_and_lower",
-    "default_step_impl",
-    "functionalize",
 ]
 
 Progress = Callable[[str], None]
@@ -47,39 +52,23 @@ def _noop(_: str) -> None:
 
 @dataclass
 class LoweredProgram:
-    """The passes' result: the program over storage inputs plus its two compile specs."""
+    """The passes' result: the program over storage inputs plus its two compile specs, and each
+    pass's :class:`PassResult` by name, in the order they ran."""
 
     exported: ExportedProgram
     stripped: ExportedProgram
     step_width: StepWidthSpec
     manifest: CacheManifest
     step_impl: str
+    pass_results: dict[str, PassResult[Any]] = field(default_factory=dict)
 
     def artifact_specs(self, device: str, **model_info) -> ArtifactSpecs:
-        nodes = user_input_nodes(self.stripped)[: len(self.exported.graph_signature.user_inputs)]
-        width_node = nodes[self.step_width.input_index]
+        n_inputs = len(self.exported.graph_signature.user_inputs)
+        width_node = user_input_nodes(self.stripped)[self.step_width.input_index]
         width_symbol = str(width_node.meta["val"].shape[self.step_width.dim])
-        inputs, symbols = [], {}
-        for node in nodes:
-            value = node.meta["val"]
-            shape: list[int | str] = []
-            for size in value.shape:
-                if isinstance(size, torch.SymInt):
-                    expr = size.node.expr
-                    rng = self.stripped.range_constraints[expr]
-                    hi = int(rng.upper) if rng.upper.is_finite else None
-                    lo = int(rng.lower)
-                    if str(expr) == width_symbol:
-                        # export raises a dynamic dim's lower bound to 2 (0/1 specialization);
-                        # the compiled code is shape-generic and a step of one token is valid.
-                        lo = 1
-                    symbols[str(expr)] = SymbolRange(min=lo, max=hi)
-                    shape.append(str(expr))
-                else:
-                    shape.append(int(size))
-            inputs.append(InputSpec(name=node.name, dtype=str(value.dtype).removeprefix("torch."), shape=shape))
+        inputs, symbols = describe_inputs(self.stripped, n_inputs, width_symbol)
         return ArtifactSpecs(
-            step_width=self.step_width.format(),
+            step_width=self.step_width,
             manifest=self.manifest,
             device="cuda" if device.startswith("cuda") else "cpu",
             step_impl=self.step_impl,
@@ -88,10 +77,6 @@ class LoweredProgram:
             torch_version=torch.__version__,
             **model_info,
         )
-
-
-def default_step_impl(device: str) -> str:
-    return "triton" if device.startswith("cuda") else "portable"
 
 
 def export_model(
@@ -113,28 +98,35 @@ def run_passes(
     ep: ExportedProgram,
     example_inputs: Sequence[torch.Tensor],
     cache_config: CacheConfig,
-    step_impl: str | Callable[..., torch.Tensor] = "portable",
+    step_impl: str | StepImpl = "portable",
 ) -> LoweredProgram:
-    """``step_impl``: ``portable``, ``triton``, or a callable with the signature of
+    """validate -> record step width -> build manifest -> strip -> functionalize.
+
+    ``step_impl``: ``portable``, ``triton``, or a callable with the signature of
     ``portable_update_and_attend`` (recorded in the specs by its ``__name__``)."""
-    validate_kv_sites(ep)
-    step_width = record_step_width(ep)
-    manifest = build_manifest(ep, cache_config)
-    validate_kv_sites(ep, manifest)
-    stripped = strip_kv_cache(ep, manifest, example_inputs, impl=step_impl)
-    stripped = functionalize(stripped)
-    name = step_impl if isinstance(step_impl, str) else getattr(step_impl, "__name__", "custom")
-    return LoweredProgram(ep, stripped, step_width, manifest, name)
-
-
-def functionalize(ep: ExportedProgram) -> ExportedProgram:
-    """In-place storage writes become declared user-input mutations. Triton ops are decomposed
-    into their kernels here (export keeps them as opaque custom ops by default), so that
-    AOTInductor compiles the kernels into the package instead of calling the op by name."""
-    try:
-        return ep.run_decompositions({}, decompose_custom_triton_ops=True)
-    except TypeError:  # a torch without the flag
-        return ep.run_decompositions({})
+    results: dict[str, PassResult[Any]] = {}
+    steps: list[tuple[str, Callable[[ExportedProgram], PassResult[Any]]]] = [
+        ("validate_kv_sites", validate_kv_sites),
+        ("record_step_width", record_step_width),
+        ("build_manifest", lambda p: build_manifest(p, cache_config)),
+        (
+            "strip_kv_cache",
+            lambda p: strip_kv_cache(p, results["build_manifest"].produced, example_inputs, step_impl),
+        ),
+        ("functionalize", functionalize),
+    ]
+    program = ep
+    for name, run in steps:
+        results[name] = run(program)
+        program = results[name].program
+    return LoweredProgram(
+        exported=ep,
+        stripped=program,
+        step_width=results["record_step_width"].produced,
+        manifest=results["build_manifest"].produced,
+        step_impl=step_impl_name(step_impl),
+        pass_results=results,
+    )
 
 
 def lower(program: LoweredProgram, path: str | Path, device: str, **model_info) -> Path:

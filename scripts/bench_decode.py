@@ -33,7 +33,7 @@ def bench(artifact: Artifact, make_inputs, history: int, steps: int, graphs: boo
     times = []
     cuda = device.type == "cuda"
     for i in range(steps + 5):
-        inputs = make_inputs(token, session.used)
+        inputs = make_inputs(token, session.committed_length)
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()

@@ -42,7 +42,7 @@ def main() -> None:
     session.step(*bundle.make_inputs(torch.zeros(1, 8, dtype=torch.int64, device=device), 0))
     prepare_ns, commit_ns, program_ns = [], [], []
     for _ in range(args.steps):
-        inputs = bundle.make_inputs(tokens, session.used)
+        inputs = bundle.make_inputs(tokens, session.committed_length)
         t0 = time.perf_counter_ns()
         width = session.prepare(inputs)
         t1 = time.perf_counter_ns()

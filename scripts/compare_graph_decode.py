@@ -38,8 +38,8 @@ def main() -> None:
     mismatches = 0 if torch.equal(a, b) else 1
     token = a[:, -1:].argmax(-1)
     for _ in range(args.steps):
-        a = plain.step(*bundle.make_inputs(token, plain.used))[0]
-        b = graphed.step(*bundle.make_inputs(token, graphed.used))[0]
+        a = plain.step(*bundle.make_inputs(token, plain.committed_length))[0]
+        b = graphed.step(*bundle.make_inputs(token, graphed.committed_length))[0]
         mismatches += 0 if torch.equal(a, b) else 1
         token = a[:, -1:].argmax(-1)
     m = graphed.metrics()

@@ -103,7 +103,7 @@ def advance(session, bundle, n: int, seed: int = 1) -> None:
     tokens = tok(n, seed)
     for start in range(0, n, MAX_WRITE):
         session.step(*bundle.make_inputs(tokens[:, start : start + MAX_WRITE], start))
-    assert session.used == n
+    assert session.committed_length == n
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -126,7 +126,7 @@ def test_malformed_step_is_refused_before_the_program_runs(spied, example_bundle
     snap = [t.clone() for t in session.storage.bound()]
     objects = list(session.storage.bound())
     n_runs = len(calls)
-    inputs = case.make(session, session.used)
+    inputs = case.make(session, session.committed_length)
 
     with pytest.raises(StepRefused, match=case.match):
         session.step(*inputs)
@@ -155,7 +155,7 @@ def test_valid_step_after_every_refusal_matches_eager(spied, example_bundle, loa
     same_setup = [c for c in CASES if c.setup == START and not c.close]
     for case in same_setup:
         with pytest.raises(StepRefused):
-            session.step(*case.make(session, session.used))
+            session.step(*case.make(session, session.committed_length))
     assert len(calls) == 1
     m = session.metrics()
     assert (m.committed_length, m.steps, m.failed_steps, m.refused_steps) == (START, 1, 0, len(same_setup))
@@ -165,7 +165,7 @@ def test_valid_step_after_every_refusal_matches_eager(spied, example_bundle, loa
     with torch.no_grad(), ref.activate():
         want = example_bundle.model(*example_bundle.make_inputs(nxt, START))
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    assert session.used == START + 3 and len(calls) == 2
+    assert session.committed_length == START + 3 and len(calls) == 2
 
 
 def test_capacity_boundary_is_exact(spied, example_bundle):
@@ -176,23 +176,23 @@ def test_capacity_boundary_is_exact(spied, example_bundle):
     with pytest.raises(StepRefused, match="7 tokens at length 250"):
         session.step(*example_bundle.make_inputs(tok(7), 250))
     session.step(*example_bundle.make_inputs(tok(6), 250))
-    assert session.used == MAX_CAPACITY and session.storage.capacity == MAX_CAPACITY
+    assert session.committed_length == MAX_CAPACITY and session.storage.capacity == MAX_CAPACITY
     n_runs = len(calls)
     with pytest.raises(StepRefused, match="reset the session"):
         session.step(*example_bundle.make_inputs(tok(1), 256))
     assert len(calls) == n_runs
     session.reset()  # a reset session is admitted again, at the same capacity
     session.step(*example_bundle.make_inputs(tok(32), 0))
-    assert session.used == 32 and session.storage.capacity == MAX_CAPACITY
+    assert session.committed_length == 32 and session.storage.capacity == MAX_CAPACITY
 
 
 def test_admit_step_reads_shapes_only(loaded_example):
     """``admit_step`` alone: the width comes from the spec'd input and dim; contents are never
     read, so values the program would reject (token 999, positions past capacity) still pass."""
     specs = loaded_example.specs
-    assert specs.step_width == "0:1"
-    assert admit_step(specs, (tok(7), pos(0, 7)), used=0) == 7
-    assert admit_step(specs, (tok(32), pos(224, 32)), used=224) == 32
-    assert admit_step(specs, (torch.full((1, 5), 999), pos(10_000, 5)), used=0) == 5
+    assert specs.step_width.format() == "0:1"
+    assert admit_step(specs, (tok(7), pos(0, 7)), committed_length=0) == 7
+    assert admit_step(specs, (tok(32), pos(224, 32)), committed_length=224) == 32
+    assert admit_step(specs, (torch.full((1, 5), 999), pos(10_000, 5)), committed_length=0) == 5
     with pytest.raises(StepRefused, match="max capacity"):
-        admit_step(specs, (tok(32), pos(225, 32)), used=225)
+        admit_step(specs, (tok(32), pos(225, 32)), committed_length=225)

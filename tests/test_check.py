@@ -18,7 +18,7 @@ from offgraph_export.lowering.portable import portable_update_and_attend
 from offgraph_export.models import load_bundle
 from offgraph_export.pipeline import export_model, lower, run_passes
 from offgraph_export.runtime import Artifact
-from offgraph_export.runtime.check import CheckReport, assert_artifact_matches, check_artifact
+from offgraph_export.check import CheckReport, assert_artifact_matches, check_artifact
 from offgraph_export.specs.artifact import SPECS_ENTRY, read_artifact_specs
 from tests.conftest import EXAMPLE, cli
 
@@ -99,7 +99,7 @@ def test_broken_artifact_loads_and_agrees_with_its_specs(broken_artifact):
     """Nothing in the package itself is inconsistent: only replaying steps can find the bug."""
     artifact = Artifact.load(broken_artifact)
     assert artifact.specs.step_impl == "writes_one_row_too_many"
-    assert artifact.specs.step_width == "0:1"
+    assert artifact.specs.step_width.format() == "0:1"
 
 
 def test_check_fails_on_a_program_that_writes_one_row_too_many(broken_artifact, example_bundle):
@@ -178,7 +178,7 @@ def wrong_width_artifact(example_artifact, tmp_path) -> Path:
 
 
 def test_wrong_width_spec_is_valid_looking_but_fails_to_load(wrong_width_artifact):
-    assert read_artifact_specs(wrong_width_artifact).step_width == "1:0"  # the archive alone is fine
+    assert read_artifact_specs(wrong_width_artifact).step_width.format() == "1:0"  # the archive alone is fine
     with pytest.raises(ArtifactError, match=r"step width in the archive \('1:0'\) disagrees with the compiled program's \('0:1'\)"):
         Artifact.load(wrong_width_artifact)
 

@@ -14,7 +14,12 @@ from offgraph_export.specs import (
     MANIFEST_VERSION,
     CacheConfig,
     CacheManifest,
+    StorageInput,
     parse_manifest,
+    ring_rows,
+    row_position,
+    storage_index,
+    storage_row,
 )
 
 
@@ -105,7 +110,7 @@ def test_max_write_equal_to_capacity_is_fine():
 
 def test_unknown_layer_lookup():
     manifest = parse_manifest(json.dumps(_manifest()))
-    with pytest.raises(KeyError, match="layer 7"):
+    with pytest.raises(SpecError, match="layer 7"):
         manifest.layer(7)
 
 
@@ -265,16 +270,15 @@ def test_rejection_does_not_mutate_input():
 # --- CacheConfig -----------------------------------------------------------------------------
 
 
-def test_cache_config_defaults_and_policy():
+def test_cache_config_defaults_and_windows():
     config = CacheConfig()
     assert config.storage_dtype == "float32"
     assert config.initial_capacity <= config.max_capacity
     assert config.max_write <= config.max_capacity
-    assert config.policy(0) == "flat" and config.window(0) is None
+    assert config.window(0) is None
 
     config = CacheConfig(max_capacity=64, initial_capacity=8, max_write=16, ring_windows={1: 4})
-    assert config.policy(0) == "flat" and config.window(0) is None
-    assert config.policy(1) == "ring" and config.window(1) == 4
+    assert config.window(0) is None and config.window(1) == 4
 
 
 def test_cache_config_round_trip():
@@ -310,3 +314,104 @@ def test_cache_config_rejections(kwargs, fragments):
     message = str(info.value)
     for fragment in fragments:
         assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+# --- the storage rules -----------------------------------------------------------------------
+
+
+def test_policy_is_derived_from_window_and_may_be_omitted():
+    data = _manifest()
+    for layer in data["layers"]:
+        del layer["policy"]
+    manifest = parse_manifest(json.dumps(data))
+    assert [l.policy for l in manifest.layers] == ["flat", "ring"]
+    assert json.loads(manifest.to_json()) == _manifest()  # serialized with its policy
+
+
+def test_storage_shape_and_owner_follow_the_layer():
+    manifest = parse_manifest(json.dumps(_manifest()))
+    flat, ring = manifest.layers
+    assert manifest.owner(flat.k) == (flat, "k") and manifest.owner(ring.v) == (ring, "v")
+    assert manifest.storage_shape(flat.k, 40) == (1, 2, 40, 16)
+    assert manifest.storage_shape(flat.v, 40) == (1, 2, 40, 8)  # value head dim
+    assert manifest.storage_shape(ring.k, 40) == (1, 2, ring_rows(16, 32), 16)  # fixed, not 40
+    with pytest.raises(SpecError, match="in no layer"):
+        manifest.owner(StorageInput(name="stray", index=99))
+
+
+def test_ring_rows_leave_room_for_a_whole_step():
+    # the oldest query of a max_write step still sees window - 1 older positions
+    assert ring_rows(16, 32) == 47 and ring_rows(1, 1) == 1
+
+
+@pytest.mark.parametrize("rows", [1, 5, 47])
+def test_storage_row_and_row_position_are_inverse(rows):
+    """Write positions 0..n in order into ``rows`` rows; every row then holds the newest position
+    that maps to it, and row_position names exactly that position (negative: never written)."""
+    for last in range(0, 3 * rows):
+        held = {}
+        for p in range(last + 1):
+            held[storage_row(p, rows)] = p
+        for row in range(rows):
+            assert row_position(row, last, rows) == held.get(row, row_position(row, last, rows))
+            if row not in held:
+                assert row_position(row, last, rows) < 0
+        # flat: a layer whose rows exceed every position is the identity
+        assert [storage_row(p, 10 * rows) for p in range(last + 1)] == list(range(last + 1))
+
+
+def test_storage_row_on_tensors_matches_ints():
+    import torch
+
+    pos = torch.arange(0, 100)
+    assert storage_row(pos, 7).tolist() == [storage_row(int(p), 7) for p in pos]
+    assert row_position(torch.arange(7), 30, 7).tolist() == [row_position(r, 30, 7) for r in range(7)]
+
+
+def test_storage_indices_follow_the_model_inputs():
+    assert [storage_index(3, i, w) for i in range(2) for w in ("k", "v")] == [3, 4, 5, 6]
+    manifest = parse_manifest(json.dumps(_manifest()))
+    manifest.check_follows(2)
+    with pytest.raises(SpecError, match=r"must follow the 3 model inputs"):
+        manifest.check_follows(3)
+
+
+def test_cache_config_overrides_return_a_new_validated_config():
+    config = CacheConfig(max_capacity=64, initial_capacity=8, max_write=16, ring_windows={1: 4})
+    new = config.with_overrides(max_capacity=128, rings=[(2, 8)])
+    assert (new.max_capacity, new.initial_capacity, new.ring_windows) == (128, 8, {1: 4, 2: 8})
+    assert config.max_capacity == 64  # unchanged
+    assert config.with_overrides(all_flat=True, rings={3: 2}).ring_windows == {3: 2}
+    with pytest.raises(SpecError, match="initial_capacity=100 exceeds max_capacity=64"):
+        config.with_overrides(initial_capacity=100)
+
+
+def test_cache_config_of_manifest_round_trips_the_policies():
+    manifest = parse_manifest(json.dumps(_manifest()))
+    config = CacheConfig.of_manifest(manifest)
+    assert config.ring_windows == {1: 16} and config.window(0) is None
+    assert (config.max_capacity, config.initial_capacity, config.max_write) == (256, 16, 32)
+
+
+@pytest.mark.parametrize("depth", [17, 100_000])
+def test_deeply_nested_json_is_refused_without_recursion(depth):
+    _rejected("[" * depth + "]" * depth, "nests deeper than")
+
+
+def test_brackets_inside_strings_do_not_count_as_nesting():
+    data = _manifest()
+    data["layers"][0]["k"]["name"] = "[" * 100
+    data["layers"][0]["v"]["name"] = '\\"[{' * 30
+    manifest = parse_manifest(json.dumps(data))
+    assert manifest.layers[0].k.name == "[" * 100
+
+
+def test_oversized_json_is_refused():
+    _rejected(" " * (5 << 20) + "{}", "bytes")
+
+
+def test_storage_indices_must_be_k_then_v_in_layer_order():
+    layer = _layer(0)
+    layer["k"]["index"], layer["v"]["index"] = layer["v"]["index"], layer["k"]["index"]
+    with pytest.raises(SpecError, match="K then V per layer"):
+        parse_manifest(json.dumps(_manifest(layers=[layer]))).check_follows(2)

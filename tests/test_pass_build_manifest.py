@@ -12,7 +12,9 @@ from tests import tiny_models as tm
 def test_manifest_from_graph_and_config():
     ep = tm.export(tm.Stack(3, hq=8, hkv=1, d=16, dv=8), (torch.randn(2, 5, 32), torch.arange(5)), (1, 0))
     config = CacheConfig(max_capacity=100, initial_capacity=10, max_write=8, storage_dtype="bfloat16", ring_windows={1: 6})
-    m = build_manifest(ep, config)
+    result = build_manifest(ep, config)
+    assert result.program is ep and not result.modified
+    m = result.produced
     assert (m.batch_size, m.max_capacity, m.initial_capacity, m.max_write, m.storage_dtype) == (2, 100, 10, 8, "bfloat16")
     assert [(l.layer_id, l.policy, l.window) for l in m.layers] == [(0, "flat", None), (1, "ring", 6), (2, "flat", None)]
     assert all((l.kv_heads, l.head_dim, l.v_head_dim) == (1, 16, 8) for l in m.layers)

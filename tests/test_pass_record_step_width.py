@@ -11,22 +11,22 @@ from tests import tiny_models as tm
 
 def test_tokens_input_gives_0_1():
     ep = tm.export(tm.TokensModel(), (torch.randint(0, 64, (1, 5)), torch.arange(5)), (1, 0))
-    assert record_step_width(ep) == StepWidthSpec(input_index=0, dim=1)
+    assert record_step_width(ep).produced == StepWidthSpec(input_index=0, dim=1)
 
 
 def test_embeddings_input_gives_0_1():
     ep = tm.export(tm.Stack(2), (torch.randn(1, 5, 32), torch.arange(5)), (1, 0))
-    assert record_step_width(ep).format() == "0:1"
+    assert record_step_width(ep).produced.format() == "0:1"
 
 
 def test_positions_only_gives_1_0():
     ep = tm.export(tm.PositionsOnly(), (torch.randn(1, 32), torch.arange(5)), (None, 0))
-    assert record_step_width(ep).format() == "1:0"
+    assert record_step_width(ep).produced.format() == "1:0"
 
 
 def test_width_in_dim_2():
     ep = tm.export(tm.ChannelsFirst(), (torch.randn(1, 32, 5), torch.arange(5)), (2, 0))
-    assert record_step_width(ep).format() == "0:2"
+    assert record_step_width(ep).produced.format() == "0:2"
 
 
 def test_layers_writing_different_widths_rejected_naming_nodes():

@@ -1,5 +1,8 @@
 """The strip pass: neutral ops become in-place row writes and attention over storage inputs."""
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from torch.export.graph_signature import InputKind, OutputKind
@@ -7,7 +10,10 @@ from torch.export.graph_signature import InputKind, OutputKind
 from offgraph_export.errors import ExportError
 from offgraph_export.passes.kv_sites import find_kv_sites
 from offgraph_export.pipeline import run_passes
+from offgraph_export.passes.build_manifest import build_manifest
+from offgraph_export.passes.strip_kv_cache import strip_kv_cache
 from offgraph_export.reference import ReferenceCaches, active_caches
+from offgraph_export.runtime import SessionStorage
 from offgraph_export.specs import CacheConfig
 from tests import tiny_models as tm
 
@@ -31,6 +37,13 @@ def test_what_fired(gqa_stack):
     _, ep, program = gqa_stack
     assert len(find_kv_sites(ep.graph)) == 3
     assert find_kv_sites(program.stripped.graph) == []
+    fired = {name: result.modified for name, result in program.pass_results.items()}
+    assert fired == {
+        "validate_kv_sites": False, "record_step_width": False, "build_manifest": False,
+        "strip_kv_cache": True, "functionalize": True,
+    }
+    assert program.pass_results["strip_kv_cache"].produced == [0, 1, 2]
+    assert program.pass_results["build_manifest"].produced is program.manifest
     targets = [str(n.target) for n in program.stripped.graph.nodes if n.op == "call_function"]
     assert sum("index_copy" in t for t in targets) == 6  # one K and one V write per layer
 
@@ -54,27 +67,6 @@ def test_signature_after(gqa_stack):
     assert int(rng.upper) == 64
 
 
-def _storage(manifest, capacity, fill=float("nan")):
-    out = []
-    for s in manifest.storage_inputs():
-        layer = next(l for l in manifest.layers if s in (l.k, l.v))
-        dim = layer.head_dim if s == layer.k else layer.v_head_dim
-        rows = layer.rows(capacity, manifest.max_write)
-        out.append(torch.full((manifest.batch_size, layer.kv_heads, rows, dim), fill))
-    return out
-
-
-def _grow(manifest, storage, capacity, live):
-    grown = _storage(manifest, capacity)
-    for layer_storage, new, old in zip(manifest.storage_inputs(), grown, storage):
-        layer = next(l for l in manifest.layers if layer_storage in (l.k, l.v))
-        if layer.policy == "flat":
-            new[:, :, :live] = old[:, :, :live]
-        else:
-            new.copy_(old)
-    return grown
-
-
 def test_stripped_program_matches_eager_across_widths_and_capacities(gqa_stack):
     model, _, program = gqa_stack
     m = program.manifest
@@ -82,21 +74,20 @@ def test_stripped_program_matches_eager_across_widths_and_capacities(gqa_stack):
     ref = ReferenceCaches(CONFIG, m.layer_ids)
     torch.manual_seed(3)
     xs = torch.randn(1, 40, 32)
-    capacity, used = 8, 0
-    storage = _storage(m, capacity)
+    storage = SessionStorage(m, "cpu", poison=True)  # the runtime's storage, grown by its rule
+    used = 0
     for width in [3, 1, 9, 1, 1, 16, 1, 2]:
-        if used + width > capacity:
-            capacity = min(64, max(used + width, 2 * capacity))
-            storage = _grow(m, storage, capacity, used)
+        storage.ensure(used + width, used)
         x, pos = xs[:, used : used + width], torch.arange(used, used + width)
         with ref.activate():
             want = model(x, pos)
-        got = stripped(x, pos, *storage)
+        got = stripped(x, pos, *storage.bound())
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         used += width
         # flat storage: rows [0, used) written, the rest still NaN
-        assert torch.isfinite(storage[0][:, :, :used]).all() and torch.isnan(storage[0][:, :, used:]).all()
-    assert capacity == 64
+        flat = storage.bound()[0]
+        assert torch.isfinite(flat[:, :, :used]).all() and torch.isnan(flat[:, :, used:]).all()
+    assert storage.capacity == 64 and storage.growth_count == 3
 
 
 def test_kvcache_namespace_op_is_stripped_too():
@@ -130,12 +121,12 @@ def test_kvcache_namespace_op_is_stripped_too():
     assert find_kv_sites(ep.graph)[0].node.target.name() == "kvcache::update_and_attend"
     assert find_kv_sites(program.stripped.graph) == []
     ref = ReferenceCaches(config, [0])
-    storage = _storage(program.manifest, 8)
+    storage = SessionStorage(program.manifest, "cpu", poison=True)
     x = torch.randn(1, 6, 32)
     for lo, hi in [(0, 4), (4, 5), (5, 6)]:
         with ref.activate():
             want = model(x[:, lo:hi], torch.arange(lo, hi))
-        got = program.stripped.module()(x[:, lo:hi], torch.arange(lo, hi), *storage)
+        got = program.stripped.module()(x[:, lo:hi], torch.arange(lo, hi), *storage.bound())
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -143,3 +134,51 @@ def test_unknown_step_impl_rejected(gqa_stack):
     _, ep, _ = gqa_stack
     with pytest.raises(ExportError, match="unknown step implementation 'magic'"):
         run_passes(ep, (torch.randn(1, 5, 32), torch.arange(5)), CONFIG, step_impl="magic")
+
+
+X = (torch.randn(1, 5, 32), torch.arange(5))
+
+
+def test_manifest_coverage_checked_both_ways():
+    ep2 = tm.export(tm.Stack(2), X, (1, 0))
+    ep3 = tm.export(tm.Stack(3), X, (1, 0))
+    manifest2 = build_manifest(ep2, CacheConfig()).produced
+    with pytest.raises(ExportError, match=r"layers \[2\] are in the graph but not in the manifest"):
+        strip_kv_cache(ep3, manifest2, X)
+    manifest3 = build_manifest(ep3, CacheConfig()).produced
+    with pytest.raises(ExportError, match=r"layers \[2\] are in the manifest but have no op"):
+        strip_kv_cache(ep2, manifest3, X)
+
+
+def test_manifest_head_dims_checked():
+    ep_small = tm.export(tm.Stack(1, d=16), X, (1, 0))
+    ep_big = tm.export(tm.Stack(1, d=32, dv=32), X, (1, 0))
+    with pytest.raises(ExportError, match="head_dim"):
+        strip_kv_cache(ep_big, build_manifest(ep_small, CacheConfig()).produced, X)
+
+
+# -- the rewritten code, pinned -----------------------------------------------------------------
+
+EXPECTED = Path(__file__).parent / "expected"
+
+
+def _pinned_path() -> Path:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return EXPECTED / f"stripped_one_layer.torch-{major}.{minor}.txt"
+
+
+def test_stripped_graph_of_one_layer_is_pinned():
+    """The whole stripped (and functionalized) program of a one-layer model, as code plus its
+    signature: an unintended change of the rewrite shows here as a diff. After an intended change,
+    regenerate with OFFGRAPH_REGEN_EXPECTED=1 and review the diff."""
+    model = tm.Stack(1, hq=4, hkv=2, d=8, dv=8, hidden=16).eval()
+    inputs = (torch.randn(1, 5, 16), torch.arange(5))
+    config = CacheConfig(max_capacity=32, initial_capacity=8, max_write=8)
+    program = run_passes(tm.export(model, inputs, (1, 0), config.max_write), inputs, config)
+    got = f"{program.stripped.graph_module.code.strip()}\n\n{program.stripped.graph_signature}".strip() + "\n"
+    path = _pinned_path()
+    if os.environ.get("OFFGRAPH_REGEN_EXPECTED") == "1":
+        path.write_text(got)
+    if not path.exists():
+        pytest.skip(f"no pinned graph for torch {torch.__version__} (CI pins 2.13); regenerate to add one")
+    assert got == path.read_text()

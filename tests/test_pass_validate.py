@@ -4,16 +4,18 @@ import pytest
 import torch
 
 from offgraph_export.errors import ExportError
-from offgraph_export.passes.build_manifest import build_manifest
 from offgraph_export.passes.validate import validate_kv_sites
-from offgraph_export.specs import CacheConfig
 from tests import tiny_models as tm
 
 X = (torch.randn(1, 5, 32), torch.arange(5))
 
 
 def test_valid_graph_returns_one_site_per_layer():
-    sites = validate_kv_sites(tm.export(tm.Stack(3), X, (1, 0)))
+    ep = tm.export(tm.Stack(3), X, (1, 0))
+    code = ep.graph_module.code
+    result = validate_kv_sites(ep)
+    assert result.program is ep and not result.modified and ep.graph_module.code == code
+    sites = result.produced
     assert [s.layer_id for s in sites] == [0, 1, 2]
     assert all(s.node.target.name() == "offgraph::update_and_attend" for s in sites)
 
@@ -44,25 +46,7 @@ def test_position_of_wrong_rank_rejected():
 
 def test_position_t1_accepted():
     ep = tm.export(tm.Stack(1), (torch.randn(1, 5, 32), torch.arange(5).view(5, 1)), (1, 0))
-    assert len(validate_kv_sites(ep)) == 1
-
-
-def test_manifest_coverage_checked_both_ways():
-    ep2 = tm.export(tm.Stack(2), X, (1, 0))
-    ep3 = tm.export(tm.Stack(3), X, (1, 0))
-    manifest2 = build_manifest(ep2, CacheConfig())
-    with pytest.raises(ExportError, match=r"layers \[2\] are in the graph but not in the manifest"):
-        validate_kv_sites(ep3, manifest2)
-    manifest3 = build_manifest(ep3, CacheConfig())
-    with pytest.raises(ExportError, match=r"layers \[2\] are in the manifest but have no op"):
-        validate_kv_sites(ep2, manifest3)
-
-
-def test_manifest_head_dims_checked():
-    ep_small = tm.export(tm.Stack(1, d=16), X, (1, 0))
-    ep_big = tm.export(tm.Stack(1, d=32, dv=32), X, (1, 0))
-    with pytest.raises(ExportError, match="head_dim"):
-        validate_kv_sites(ep_big, build_manifest(ep_small, CacheConfig()))
+    assert len(validate_kv_sites(ep).produced) == 1
 
 
 def test_graph_without_op_rejected():

@@ -95,7 +95,7 @@ def check_steps(q, k, v, chunks, *, window=None, layer_id=0, scale=None, positio
             torch.testing.assert_close(out.float(), expected, **TOL[q.dtype])
             outs.append(out)
             start = end
-            assert caches.length == end
+            assert caches.committed_length == end
     return torch.cat(outs, dim=2)
 
 
@@ -234,7 +234,7 @@ def test_ring_is_not_bounded_by_max_capacity():
             out = step(q, k, v, start, 4, 0, scale)
     expected = oracle(q, k, v, 3, scale)[:, :, 20:]
     torch.testing.assert_close(out, expected, **TOL[torch.float32])
-    assert caches.length == 24
+    assert caches.committed_length == 24
 
 
 def test_mixed_flat_and_ring_layers_in_one_set():
@@ -250,7 +250,7 @@ def test_mixed_flat_and_ring_layers_in_one_set():
             flat_out.append(step(q, k, v, start, width, 0, scale))
             ring_out.append(step(q2, k2, v2, start, width, 1, scale))
             start += width
-    assert caches.length == 18
+    assert caches.committed_length == 18
     torch.testing.assert_close(torch.cat(flat_out, 2), oracle(q, k, v, None, scale), **TOL[torch.float32])
     torch.testing.assert_close(torch.cat(ring_out, 2), oracle(q2, k2, v2, 5, scale), **TOL[torch.float32])
 
@@ -283,7 +283,7 @@ def test_two_sets_interleaved(window):
             with a.activate():
                 out_a.append(step(qa, ka, va, start, width, 0, scale))
         start += width
-    assert a.length == b.length == 18
+    assert a.committed_length == b.committed_length == 18
     torch.testing.assert_close(torch.cat(out_a, 2), alone_a, atol=0, rtol=0)
     torch.testing.assert_close(torch.cat(out_b, 2), alone_b, atol=0, rtol=0)
 
@@ -295,7 +295,7 @@ def test_reset_starts_a_fresh_session():
     with caches.activate():
         step(q, k, v, 0, 6, 0, scale)
         caches.reset()
-        assert caches.length == 0
+        assert caches.committed_length == 0
         out = step(q, k, v, 0, 10, 0, scale)
     torch.testing.assert_close(out, oracle(q, k, v, None, scale), **TOL[torch.float32])
 
@@ -313,9 +313,9 @@ def test_overflow_of_flat_layer():
             step(q, k, v, 6, 3, 0, scale)
         assert "layer 0" in str(info.value)
         # The failed step left the cache as it was: the session continues up to the capacity.
-        assert caches.length == 6
+        assert caches.committed_length == 6
         out = step(q, k, v, 6, 2, 0, scale)
-        assert caches.length == 8
+        assert caches.committed_length == 8
         with pytest.raises(CacheOverflowError, match=r"8"):
             step(q, k, v, 8, 1, 0, scale)
     torch.testing.assert_close(out, oracle(q[:, :, :8], k[:, :, :8], v[:, :, :8], None, scale)[:, :, 6:])
@@ -326,7 +326,7 @@ def test_overflow_on_first_step():
     caches = ReferenceCaches(config_for(max_capacity=8, max_write=8), [0])
     with caches.activate(), pytest.raises(CacheOverflowError, match="capacity of 8"):
         step(q, k, v, 0, 9, 0, 0.25)
-    assert caches.length == 0
+    assert caches.committed_length == 0
 
 
 def test_no_active_cache():
@@ -368,7 +368,7 @@ def test_non_contiguous_positions_rejected(history, positions):
         sl = slice(history, history + w)
         with pytest.raises(OffgraphError, match="positions must continue the history"):
             OP(q[:, :, sl], k[:, :, sl], v[:, :, sl], torch.tensor(positions), 0, 0.25, q.dtype)
-        assert caches.length == history
+        assert caches.committed_length == history
         # The right positions still work afterwards.
         out = step(q, k, v, history, w, 0, 0.25)
     expected = oracle(q, k, v, None, 0.25)[:, :, history:]
@@ -403,7 +403,7 @@ def _run_model(bundle, tokens, chunks):
         for width in chunks:
             outs.append(bundle.model(*bundle.make_inputs(tokens[:, start : start + width], start)))
             start += width
-    assert caches.length == tokens.shape[1]
+    assert caches.committed_length == tokens.shape[1]
     return torch.cat(outs, dim=1)
 
 

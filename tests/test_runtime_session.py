@@ -76,12 +76,12 @@ def test_steps_match_eager_across_growths(loaded_example, example_bundle):
         want = oracle.step(chunk)
         assert got.shape == want.shape == (1, chunk.shape[1], 256)
         torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL, msg=lambda m: f"step at {start}: {m}")
-        assert session.used == start + chunk.shape[1]
+        assert session.committed_length == start + chunk.shape[1]
         capacities.append(session.storage.capacity)
     assert capacities[:4] == [16, 32, 64, 64]
     assert capacities[-1] == 128
     assert session.storage.growth_count == 3
-    assert session.used > 16 + 32 - 1  # the ring layer wrapped
+    assert session.committed_length > 16 + 32 - 1  # the ring layer wrapped
 
 
 def test_prepare_run_commit_is_step(loaded_example, example_bundle):
@@ -93,7 +93,7 @@ def test_prepare_run_commit_is_step(loaded_example, example_bundle):
         width = a.prepare(inputs)
         assert width == chunk.shape[1]
         out_a = a.run(inputs, width)
-        assert a.used == start  # nothing committed yet
+        assert a.committed_length == start  # nothing committed yet
         a.commit(width)
         out_b = b.step(*inputs)
         assert torch.equal(out_a[0], out_b[0])
@@ -321,5 +321,5 @@ def test_generate_session_state(loaded_example, example_bundle):
     seen = []
     result = generate(session, example_bundle.make_inputs, list(range(5)), 4, on_token=seen.append)
     assert seen == result.new_tokens and len(seen) == 4
-    assert session.used == 5 + 3  # the last token is returned, not fed
+    assert session.committed_length == 5 + 3  # the last token is returned, not fed
     assert session.metrics().steps == 1 + 3

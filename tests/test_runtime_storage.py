@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offgraph_export.errors import CacheOverflowError
+from offgraph_export.errors import CacheOverflowError, OffgraphError
 from offgraph_export.runtime import SessionStorage, default_allocator, grown_capacity
 from offgraph_export.specs import CacheManifest
 
@@ -155,7 +155,7 @@ def test_geometric_growth_sequence():
     s = SessionStorage(make_manifest(initial=16, maximum=256), "cpu")
     seen = []
     for required in (1, 16, 17, 20, 32, 33, 64, 65, 200, 255, 256):
-        moved = s.ensure(required, live=min(required - 1, s.capacity))
+        moved = s.ensure(required, committed_length=min(required - 1, s.capacity))
         seen.append((required, moved, s.capacity))
     assert seen == [
         (1, False, 16),
@@ -177,7 +177,7 @@ def test_geometric_growth_sequence():
 
 def test_growth_to_more_than_double():
     s = SessionStorage(make_manifest(initial=16, maximum=256), "cpu")
-    assert s.ensure(100, live=0)
+    assert s.ensure(100, committed_length=0)
     assert s.capacity == 100 and s.growth_count == 1
 
 
@@ -190,14 +190,14 @@ def test_history_preserved_bit_exactly_across_growth(dtype):
     ring_bytes = {k: s.tensors[k].clone() for k in ring_keys(s)}
     live_before = {k: s.tensors[k][:, :, :16].clone() for k in flat_keys(s)}
 
-    assert s.ensure(20, live=16)  # 16 -> 32
+    assert s.ensure(20, committed_length=16)  # 16 -> 32
     assert s.capacity == 32
     fill_rows(s, 16, 30, gen)
     live_mid = {k: s.tensors[k][:, :, :30].clone() for k in flat_keys(s)}
     for k in flat_keys(s):
         assert bit_equal(s.tensors[k][:, :, :16], live_before[k])
 
-    assert s.ensure(40, live=30)  # 32 -> 64
+    assert s.ensure(40, committed_length=30)  # 32 -> 64
     assert s.capacity == 64 and s.growth_count == 2
     for k in flat_keys(s):
         t = s.tensors[k]
@@ -215,7 +215,7 @@ def test_growth_copies_only_live_rows():
     s = SessionStorage(make_manifest(initial=16), "cpu", poison=True)
     gen = torch.Generator().manual_seed(1)
     fill_rows(s, 0, 16, gen)
-    assert s.ensure(17, live=10)
+    assert s.ensure(17, committed_length=10)
     for k in flat_keys(s):
         t = s.tensors[k]
         assert not torch.isnan(t[:, :, :10]).any()
@@ -228,7 +228,7 @@ def test_ring_layers_fixed_and_never_move():
     ring = {k: s.tensors[k] for k in ring_keys(s)}
     ptrs = {k: t.data_ptr() for k, t in ring.items()}
     for required in (17, 33, 65, 129, 256):
-        s.ensure(required, live=0)
+        s.ensure(required, committed_length=0)
         for k in ring_keys(s):
             assert s.tensors[k] is ring[k] and s.tensors[k].data_ptr() == ptrs[k]
             assert s.tensors[k].shape[2] == 5 + MAX_WRITE - 1
@@ -242,7 +242,7 @@ def test_ring_only_manifest_never_grows():
     assert s.capacity == 0
     assert s.tensors[(0, "k")].shape[2] == 4 + 3 - 1
     assert s.tensors[(1, "v")].shape[2] == 9 + 3 - 1
-    assert s.ensure(10_000, live=50) is False  # no flat layer: nothing to grow, no overflow
+    assert s.ensure(10_000, committed_length=50) is False  # no flat layer: nothing to grow, no overflow
     assert s.growth_count == 0 and all(s.tensors[k] is before[k] for k in before)
 
 
@@ -272,7 +272,7 @@ def test_growth_failure_is_transactional(fail_on, error):
 
     expected = {"oom": "can't allocate memory", "memory": None, "runtime": "is invalid", "copy": "leaf Variable"}
     with pytest.raises(MemoryError if error == "memory" else RuntimeError, match=expected[error]):
-        s.ensure(20, live=16)
+        s.ensure(20, committed_length=16)
     assert len(alloc.calls) == fail_on  # the failure really happened inside this growth
     assert s.capacity == 16 and s.growth_count == 0
     assert s.tensors.keys() == objects.keys()
@@ -283,7 +283,7 @@ def test_growth_failure_is_transactional(fail_on, error):
     assert s.allocated_bytes() == sum(t.numel() * t.element_size() for t in objects.values())
 
     # the allocator recovers: the next growth succeeds and keeps the history
-    assert s.ensure(20, live=16)
+    assert s.ensure(20, committed_length=16)
     assert s.capacity == 32 and s.growth_count == 1
     for k in flat_keys(s):
         assert bit_equal(s.tensors[k][:, :, :16], contents[k][:, :, :16])
@@ -319,29 +319,29 @@ def test_allocator_returning_wrong_tensor_is_rejected(bad):
 
     s = SessionStorage(make_manifest(initial=16), "cpu", allocator=allocator)
     objects = dict(s.tensors)
-    with pytest.raises(RuntimeError, match="allocator returned"):
-        s.ensure(17, live=4)
+    with pytest.raises(OffgraphError, match="allocator returned"):
+        s.ensure(17, committed_length=4)
     assert s.capacity == 16 and s.growth_count == 0
     assert all(s.tensors[k] is objects[k] for k in objects)
     # also at construction
-    with pytest.raises(RuntimeError, match="allocator returned"):
+    with pytest.raises(OffgraphError, match="allocator returned"):
         SessionStorage(make_manifest(initial=16), "cpu", allocator=lambda *a: bad(*a))
 
 
 def test_over_max_capacity_raises_cache_overflow_and_changes_nothing():
     alloc = FailingAllocator()
     s = SessionStorage(make_manifest(initial=16, maximum=100), "cpu", allocator=alloc)
-    assert s.ensure(60, live=0)  # 16 -> 60
+    assert s.ensure(60, committed_length=0)  # 16 -> 60
     objects = dict(s.tensors)
     n_calls = len(alloc.calls)
     with pytest.raises(CacheOverflowError, match="max capacity of 100"):
-        s.ensure(101, live=60)
+        s.ensure(101, committed_length=60)
     assert len(alloc.calls) == n_calls  # refused before allocating anything
     assert s.capacity == 60 and s.growth_count == 1
     assert all(s.tensors[k] is objects[k] for k in objects)
-    assert s.ensure(100, live=60) and s.capacity == 100  # min(100, max(100, 120))
+    assert s.ensure(100, committed_length=60) and s.capacity == 100  # min(100, max(100, 120))
     with pytest.raises(CacheOverflowError):
-        s.ensure(101, live=100)
+        s.ensure(101, committed_length=100)
 
 
 def test_poison_fills_nan_at_allocation_growth_and_poison_from():
@@ -352,7 +352,7 @@ def test_poison_fills_nan_at_allocation_growth_and_poison_from():
     for k in flat_keys(s):
         assert not torch.isnan(s.tensors[k][:, :, :8]).any()
         assert torch.isnan(s.tensors[k][:, :, 8:]).all()
-    s.ensure(17, live=8)
+    s.ensure(17, committed_length=8)
     for k in flat_keys(s):
         assert not torch.isnan(s.tensors[k][:, :, :8]).any()
         assert torch.isnan(s.tensors[k][:, :, 8:]).all()
@@ -361,7 +361,7 @@ def test_poison_fills_nan_at_allocation_growth_and_poison_from():
         make_manifest(initial=16), "cpu", allocator=lambda shape, dtype, device: torch.zeros(shape, dtype=dtype)
     )
     assert not any(torch.isnan(t).any() for t in plain.tensors.values())
-    plain.ensure(17, live=0)
+    plain.ensure(17, committed_length=0)
     assert not any(torch.isnan(t).any() for t in plain.tensors.values())
 
 
@@ -377,7 +377,7 @@ def test_allocated_bytes(dtype, size):
 
     assert s.dtype == getattr(torch, dtype)
     assert s.allocated_bytes() == expected(16)
-    s.ensure(40, live=0)
+    s.ensure(40, committed_length=0)
     assert s.allocated_bytes() == expected(40)
     s.release()
     assert s.allocated_bytes() == 0 and s.bound() == []

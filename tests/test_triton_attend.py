@@ -360,7 +360,6 @@ def test_missing_triton_raises_export_error_only_when_used():
         "import torch\n"
         "from offgraph_export.errors import ExportError\n"
         "from offgraph_export.lowering import triton_attend as m\n"
-        "assert not m.triton_available()\n"
         "x = torch.zeros(1, 1, 1, 16)\n"
         "try:\n"
         "    m.triton_update_and_attend(x, x, x, torch.zeros(1, dtype=torch.int64), x, x, None,"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import replace
 
 import click
 
@@ -67,19 +68,17 @@ def export(model_factory, output, device, max_capacity, initial_capacity, max_wr
         args = parse_factory_args(factory_args)
         _say(f"building {model_factory}")
         bundle = cast_bundle(load_bundle(model_factory, **args), dtype)
-        update = {k: v for k, v in dict(max_capacity=max_capacity, initial_capacity=initial_capacity, max_write=max_write).items() if v is not None}
-        windows = {} if all_flat else dict(bundle.cache_config.ring_windows)
-        windows.update(dict(rings))
-        update["ring_windows"] = windows
-        config = bundle.cache_config.model_validate({**bundle.cache_config.model_dump(), **update})
-        bundle.cache_config = config
+        config = bundle.cache_config.with_overrides(
+            max_capacity=max_capacity, initial_capacity=initial_capacity, max_write=max_write,
+            rings=rings, all_flat=all_flat,
+        )
         started = time.perf_counter()
         path, program, timings = export_and_lower(
-            bundle, output, device=device, step_impl=step_impl,
+            replace(bundle, cache_config=config), output, device=device, step_impl=step_impl,
             progress=lambda m: _say(f"[{time.perf_counter() - started:6.1f}s] {m}"),
             model=model_factory, model_args=args, model_dtype=dtype,
         )
-    except (OffgraphError, ValueError) as exc:
+    except OffgraphError as exc:
         _fail(exc)
     size = path.stat().st_size
     summary = {
@@ -119,8 +118,8 @@ def inspect(artifact, as_json):
         f"artifact      {artifact}",
         f"device        {specs.device} (step impl: {specs.step_impl}; built with torch {specs.torch_version})",
         f"model         {specs.model or '?'} {specs.model_args or ''}".rstrip(),
-        f"step width    {specs.step_width}  (input {specs.width.input_index} "
-        f"'{specs.inputs[specs.width.input_index].name}', dim {specs.width.dim})",
+        f"step width    {specs.step_width}  (input {specs.step_width.input_index} "
+        f"'{specs.inputs[specs.step_width.input_index].name}', dim {specs.step_width.dim})",
         f"cache         {m.storage_dtype}, batch {m.batch_size}, capacity {m.initial_capacity} -> "
         f"{m.max_capacity} tokens, max_write {m.max_write}",
         "",
@@ -160,7 +159,7 @@ def check(artifact, model_factory, steps, prefill_chunks, seed, factory_args, cu
 
     Exits 0 when every step matches, 1 when any check fails, 2 when the check cannot run."""
     from offgraph_export.models import cast_bundle, load_bundle, parse_factory_args
-    from offgraph_export.runtime.check import check_artifact
+    from offgraph_export.check import check_artifact
     from offgraph_export.specs.artifact import read_artifact_specs
 
     try:
@@ -225,7 +224,7 @@ def run(artifact, prompt, tokens, max_new_tokens, model_factory, cuda_graphs, as
         return
     click.echo(text if text is not None else " ".join(map(str, result.new_tokens)))
     _say(
-        f"session: {metrics.committed_length} tokens, capacity {metrics.capacity}, "
+        f"session: committed_length {metrics.committed_length}, capacity {metrics.capacity}, "
         f"{metrics.growth_count} growths, {metrics.allocated_bytes / 1e6:.2f} MB, "
         f"{metrics.graph_captures} graph captures; decode median {result.decode_ms_median:.2f} ms/token"
     )

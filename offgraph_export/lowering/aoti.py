@@ -24,7 +24,7 @@ __all__ = ["compile_package", "aoti_metadata"]
 
 
 def aoti_metadata(specs: ArtifactSpecs) -> dict[str, str]:
-    return {STEP_WIDTH_KEY: specs.step_width, MANIFEST_KEY: specs.manifest.to_json()}
+    return {STEP_WIDTH_KEY: specs.step_width.format(), MANIFEST_KEY: specs.manifest.to_json()}
 
 
 def compile_package(ep: ExportedProgram, path: str | os.PathLike, specs: ArtifactSpecs) -> Path:

@@ -1,8 +1,9 @@
 """Portable (aten-only) lowered step: write this step's K/V rows into storage in place, then
-attend over the valid rows only. Serves the CPU and is the fallback on CUDA.
+attend over the valid rows only. Serves the CPU (and CUDA, when asked for with ``--step-impl
+portable``).
 
-Storage is ``[B, Hkv, rows, D]``. Flat layers write row = position; ring layers write
-row = position mod rows. Rows never written may hold anything (the check poisons them with NaN),
+Storage is ``[B, Hkv, rows, D]``; the row of a position and the position a row holds come from
+:mod:`offgraph_export.specs.manifest` (one rule for flat and ring layers). Rows never written may hold anything (the check poisons them with NaN),
 so invalid rows are removed from the scores with ``where`` (not an additive mask) and zeroed in V
 before the weighted sum: ``0 * NaN`` would otherwise leak into every output.
 """
@@ -10,6 +11,8 @@ before the weighted sum: ``0 * NaN`` would otherwise leak into every output.
 from __future__ import annotations
 
 import torch
+
+from offgraph_export.specs.manifest import row_position, storage_row
 
 __all__ = ["portable_update_and_attend"]
 
@@ -29,14 +32,13 @@ def portable_update_and_attend(
     hkv = k.shape[1]
     rows = k_store.shape[2]
     pos = position.reshape(-1)
-    write_rows = pos if window is None else torch.remainder(pos, rows)
+    write_rows = storage_row(pos, rows)
     k_store.index_copy_(2, write_rows, k.to(k_store.dtype))
     v_store.index_copy_(2, write_rows, v.to(v_store.dtype))
 
     # Absolute position held by each storage row after this write (negative: never written).
     row_ids = torch.arange(rows, device=k_store.device, dtype=torch.int64)
-    last = pos[-1:]
-    row_pos = row_ids if window is None else last - torch.remainder(last - row_ids, rows)
+    row_pos = row_position(row_ids, pos[-1:], rows)
     allowed = (row_pos[None, :] <= pos[:, None]) & (row_pos[None, :] >= 0)
     if window is not None:
         allowed = allowed & (row_pos[None, :] > pos[:, None] - window)

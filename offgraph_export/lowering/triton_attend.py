@@ -2,7 +2,7 @@
 the valid rows only, reading nothing beyond them.
 
 Same contract as :func:`offgraph_export.lowering.portable.portable_update_and_attend` (the
-reference semantics); see DESIGN.md, "The lowered step". Why kernels rather than aten: the portable
+reference semantics); see docs/design.md, "The lowered step". Why kernels rather than aten: the portable
 step scores every storage row and masks afterwards, so its cost grows with the *capacity*; these
 kernels take their loop bounds from the positions (read on the device), so a decode step costs what
 the live history costs.
@@ -20,12 +20,13 @@ How it is put together
 * Kernels, launched in this order on one stream:
 
   1. ``_write_rows_kernel``: one program per (token, batch x kv head) copies the k and v rows
-     (cast to the storage dtype) to row = position (flat) or position mod rows (ring).
+     (cast to the storage dtype) to the row of its position (``_storage_row``: position mod rows,
+     the rule of :func:`offgraph_export.specs.manifest.storage_row`, for flat and ring alike).
   2. ``_attend_kernel``: flash attention with an online softmax in fp32. A tile's query rows are
      (token, query head of the group) pairs of one kv head, so GQA/MQA reads each K/V row once per
      kv head, never materializing repeated heads. It loops only over the absolute positions its
-     queries may see: ``[0, max_pos]`` (flat, clipped to ``rows``) or
-     ``[min_pos - window + 1, max_pos]`` clipped to the positions the ring still holds (ring).
+     queries may see: ``[0, max_pos]`` clipped to the positions the storage still holds, and with a
+     window (ring layers) to ``[min_pos - window + 1, max_pos]``.
      Those rows were all written, so poisoned (NaN) rows outside are never loaded.
   3. ``_combine_splits_kernel``: the flash-decoding reduce, see below.
 
@@ -50,12 +51,13 @@ Both variants are complete implementations, so whichever one a compiler ends up 
 """
 
 import math
+from typing import Optional
 
 import torch
 
 from offgraph_export.errors import ExportError
 
-__all__ = ["triton_update_and_attend", "triton_available", "OP_NAME"]
+__all__ = ["triton_update_and_attend", "OP_NAME"]
 
 OP_NAME = "offgraph_lowered::triton_update_and_attend"
 
@@ -88,11 +90,6 @@ except ImportError as _exc:  # pragma: no cover - exercised on machines without 
     _TRITON_IMPORT_ERROR = _exc
 
 
-def triton_available() -> bool:
-    """Whether triton imported, i.e. whether :func:`triton_update_and_attend` can be used."""
-    return _TRITON_IMPORT_ERROR is None
-
-
 # ---------------------------------------------------------------------------------------------
 # Tuning constants (host side; the kernels receive them as arguments or constexprs).
 # ---------------------------------------------------------------------------------------------
@@ -116,6 +113,14 @@ _BIG = 1 << 30
 
 
 @triton.jit
+def _storage_row(position, rows):
+    """The storage row of an absolute position: :func:`offgraph_export.specs.manifest.storage_row`
+    (``position mod rows``), restated here because jit code cannot call host Python. Positions are
+    non-negative, where Triton's truncating ``%`` and Python's floor ``%`` agree."""
+    return position % rows
+
+
+@triton.jit
 def _write_rows_kernel(
     k_ptr, v_ptr, pos_ptr, k_store_ptr, v_store_ptr,
     sk_b, sk_h, sk_t, sk_d,
@@ -125,23 +130,20 @@ def _write_rows_kernel(
     pos_stride, rows, n_kv_heads,
     HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    IS_RING: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     """Program (t, b * Hkv + h): copy token t's k and v rows of kv head h into storage.
 
-    The row comes from the position read here on the device. Writes outside ``[0, rows)`` are
-    dropped rather than done: the runtime never asks for them, and a stray write would corrupt
-    memory (the portable step would raise instead)."""
+    The row comes from the position read here on the device. A position the storage cannot hold
+    (negative, or past a flat layer's rows: a flat layer never wraps), which the runtime never
+    passes, is dropped rather than written over another position's row."""
     t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // n_kv_heads).to(tl.int64)
     h = (pid_bh % n_kv_heads).to(tl.int64)
     pos = tl.load(pos_ptr + t * pos_stride)
-    if IS_RING:
-        row = pos % rows
-    else:
-        row = pos
-    in_range = (row >= 0) & (row < rows)
+    row = _storage_row(pos, rows)
+    in_range = (pos >= 0) & ((pos < rows) | HAS_WINDOW)
 
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < tl.where(in_range, HEAD_DIM, 0)
@@ -184,23 +186,19 @@ def _tile_queries(pos_ptr, pos_stride, T, pid_m, GROUP: tl.constexpr, BLOCK_M: t
 
 
 @triton.jit
-def _tile_key_range(pos_ptr, pos_stride, T, rows, window, qpos, row_ok, IS_RING: tl.constexpr):
+def _tile_key_range(pos_ptr, pos_stride, T, rows, window, qpos, row_ok, HAS_WINDOW: tl.constexpr):
     """Absolute positions ``[lo, hi)`` some query of the tile may attend to, as int32 scalars.
 
-    flat: ``[0, max_pos]``, clipped to the storage (row = position).
-    ring: ``(min_pos - window, max_pos]``, clipped to positions >= 0 (written at all) and to the
-    ``rows`` newest positions (the ones the ring still holds after this step's writes, whose last
-    position is ``position[T-1]``). Every position in the range is held by its row, so loops over it
-    never read a row that was not written. An empty tile gets ``hi <= lo``."""
+    ``(.., max_pos]``, clipped to positions >= 0 (written at all) and to the ``rows`` newest
+    positions (the ones the storage still holds after this step's writes, whose last position is
+    ``position[T-1]``; for a flat layer that is every position, since it never wraps), and with a
+    window (ring layers) to ``(min_pos - window, ..``. Every position in the range is held by its
+    row, so loops over it never read a row that was not written. An empty tile gets ``hi <= lo``."""
     hi = tl.max(tl.where(row_ok, qpos, -1), axis=0) + 1
-    if IS_RING:
-        last = tl.load(pos_ptr + (T - 1) * pos_stride).to(tl.int32)
-        lo = tl.min(tl.where(row_ok, qpos, 1 << 30), axis=0) - window + 1
-        lo = tl.maximum(lo, last - rows + 1)
-        lo = tl.maximum(lo, 0)
-    else:
-        lo = hi * 0
-        hi = tl.minimum(hi, rows)
+    last = tl.load(pos_ptr + (T - 1) * pos_stride).to(tl.int32)
+    lo = tl.maximum(last - rows + 1, 0)
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, tl.min(tl.where(row_ok, qpos, 1 << 30), axis=0) - window + 1)
     return lo, hi
 
 
@@ -234,7 +232,7 @@ def _attend_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PART_ROWS: tl.constexpr,
     MIN_SPLIT_KEYS: tl.constexpr,
-    IS_RING: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr,
     QK_FP32: tl.constexpr, PV_FP32: tl.constexpr,
 ):
     """Program (query tile, b * Hkv + kv head, split): online-softmax attention of the tile's
@@ -257,7 +255,7 @@ def _attend_kernel(
 
     tok, grp, row_ok, qpos, offs_m = _tile_queries(pos_ptr, pos_stride, T, pid_m, GROUP, BLOCK_M)
     head = kvh * GROUP + grp
-    lo, hi = _tile_key_range(pos_ptr, pos_stride, T, rows, window, qpos, row_ok, IS_RING)
+    lo, hi = _tile_key_range(pos_ptr, pos_stride, T, rows, window, qpos, row_ok, HAS_WINDOW)
     if SPLIT:
         chunk, n_used = _split_plan(lo, hi, num_splits, MIN_SPLIT_KEYS, BLOCK_N)
         k_lo = lo + split * chunk
@@ -286,10 +284,7 @@ def _attend_kernel(
     for start in range(k_lo, k_hi, BLOCK_N):
         p_abs = start + tl.arange(0, BLOCK_N)
         key_ok = p_abs < k_hi
-        if IS_RING:
-            key_row = p_abs % rows
-        else:
-            key_row = p_abs
+        key_row = _storage_row(p_abs, rows)
         # K is loaded already transposed: [BLOCK_D, BLOCK_N].
         k = tl.load(
             k_base + key_row[None, :] * sk_r + offs_d[:, None],
@@ -304,7 +299,7 @@ def _attend_kernel(
         # so the loop-carried softmax state keeps one type.
         s = (s * qk_scale).to(tl.float32)
         seen = key_ok[None, :] & row_ok[:, None] & (p_abs[None, :] <= qpos[:, None])
-        if IS_RING:
+        if HAS_WINDOW:
             seen = seen & (p_abs[None, :] > qpos[:, None] - window)
         s = tl.where(seen, s, float("-inf"))
 
@@ -359,7 +354,7 @@ def _combine_splits_kernel(
     GROUP: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PART_ROWS: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr,
-    IS_RING: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     """Program (query tile, b * Hkv + kv head): merge the tile's partial ``(max, sum, acc)`` rows
     into the output: ``out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M)``, M the running max.
@@ -372,7 +367,7 @@ def _combine_splits_kernel(
     kvh = (pid_bh % n_kv_heads).to(tl.int64)
     tok, grp, row_ok, qpos, offs_m = _tile_queries(pos_ptr, pos_stride, T, pid_m, GROUP, BLOCK_M)
     head = kvh * GROUP + grp
-    lo, hi = _tile_key_range(pos_ptr, pos_stride, T, rows, window, qpos, row_ok, IS_RING)
+    lo, hi = _tile_key_range(pos_ptr, pos_stride, T, rows, window, qpos, row_ok, HAS_WINDOW)
     chunk, n_used = _split_plan(lo, hi, num_splits, MIN_SPLIT_KEYS, BLOCK_N)
     n_merge = tl.where(n_used > 1, n_used, 0)
 
@@ -460,11 +455,11 @@ def _lowered_step(
     position: torch.Tensor,
     k_store: torch.Tensor,
     v_store: torch.Tensor,
-    window: int,
+    window: Optional[int],
     scale: float,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """Body of the triton_op. ``window`` 0 means flat (the op schema takes a plain int)."""
+    """Body of the triton_op (``window`` None: a flat layer)."""
     b, hq, t, _ = q.shape
     hkv = k.shape[1]
     rows = k_store.shape[2]
@@ -482,7 +477,8 @@ def _lowered_step(
     group = int(hq // hkv)
     pos = position.reshape(-1)
     torch._check(pos.shape[0] == t, lambda: "position must hold one entry per token")
-    is_ring = window > 0
+    has_window = window is not None
+    window_arg = window if has_window else 0  # a kernel argument is an int; unread without a window
     block_d = _pow2_at_least(d)
     block_dv = _pow2_at_least(dv)
     out = torch.empty((b, hq, t, dv), dtype=out_dtype, device=q.device)
@@ -492,7 +488,7 @@ def _lowered_step(
         k, v, pos, k_store, v_store,
         *k.stride(), *v.stride(), *k_store.stride()[:3], *v_store.stride()[:3],
         pos.stride(0), rows, hkv,
-        HEAD_DIM=d, V_DIM=dv, BLOCK_D=block_d, BLOCK_DV=block_dv, IS_RING=is_ring,
+        HEAD_DIM=d, V_DIM=dv, BLOCK_D=block_d, BLOCK_DV=block_dv, HAS_WINDOW=has_window,
     )
 
     sixteen_bit = (torch.float16,) if _INTERPRETED else (torch.float16, torch.bfloat16)
@@ -505,10 +501,10 @@ def _lowered_step(
     qk_scale = float(scale) * math.log2(math.e)
     common = dict(
         GROUP=group, HEAD_DIM=d, V_DIM=dv, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_N=block_n,
-        MIN_SPLIT_KEYS=_MIN_SPLIT_KEYS, IS_RING=is_ring, QK_FP32=qk_fp32, PV_FP32=pv_fp32,
+        MIN_SPLIT_KEYS=_MIN_SPLIT_KEYS, HAS_WINDOW=has_window, QK_FP32=qk_fp32, PV_FP32=pv_fp32,
     )
     strides = (*q.stride(), *k_store.stride()[:3], *v_store.stride()[:3], *out.stride()[:3])
-    scalars = (pos.stride(0), t, rows, window, hkv, qk_scale)
+    scalars = (pos.stride(0), t, rows, window_arg, hkv, qk_scale)
 
     small_t = _small_t(group)
     small = _is_small_step(t, small_t)
@@ -531,9 +527,9 @@ def _lowered_step(
         )
         wrap_triton(_combine_splits_kernel)[(split_tiles * small, b * hkv, 1)](
             pos, out, part_acc, part_m, part_l,
-            *out.stride()[:3], pos.stride(0), t, rows, window, hkv, splits,
+            *out.stride()[:3], pos.stride(0), t, rows, window_arg, hkv, splits,
             GROUP=group, V_DIM=dv, BLOCK_DV=block_dv, BLOCK_M=split_m, BLOCK_N=block_n,
-            PART_ROWS=part_rows, MIN_SPLIT_KEYS=_MIN_SPLIT_KEYS, IS_RING=is_ring,
+            PART_ROWS=part_rows, MIN_SPLIT_KEYS=_MIN_SPLIT_KEYS, HAS_WINDOW=has_window,
         )
 
     # Tiled variant (larger steps, e.g. prefill): one program per query tile, no split.
@@ -574,8 +570,8 @@ def triton_update_and_attend(
 
     Same signature and semantics as ``portable_update_and_attend``: q ``[B,Hq,T,D]``, k
     ``[B,Hkv,T,D]``, v ``[B,Hkv,T,Dv]`` (any strides), position int64 ``[T]`` or ``[T,1]``,
-    storage ``[B,Hkv,rows,D|Dv]``; ``window`` None is a flat layer (row = position), an int a ring
-    (row = position mod rows, attending the newest ``window`` positions). Returns
+    storage ``[B,Hkv,rows,D|Dv]``; ``window`` None is a flat layer, an int a ring attending the
+    newest ``window`` positions (rows by :func:`offgraph_export.specs.manifest.storage_row`). Returns
     ``[B,Hq,T,Dv]`` in ``out_dtype``. Calls the ``offgraph_lowered::triton_update_and_attend`` op,
     so ``torch.export`` records one node and AOTInductor compiles its kernels.
     """
@@ -588,6 +584,6 @@ def triton_update_and_attend(
     if window is not None and (not isinstance(window, int) or window <= 0):
         raise ExportError(f"window must be None (flat) or a positive int, got {window!r}")
     return _lowered_step_op(
-        q, k, v, position, k_store, v_store, 0 if window is None else window, float(scale),
+        q, k, v, position, k_store, v_store, window, float(scale),
         out_dtype,
     )

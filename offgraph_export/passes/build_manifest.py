@@ -10,16 +10,18 @@ from __future__ import annotations
 from torch.export import ExportedProgram
 
 from offgraph_export.errors import ExportError, SpecError
-from offgraph_export.passes.record_step_width import user_input_nodes
-from offgraph_export.passes.validate import validate_kv_sites
+from offgraph_export.passes.graph_utils import user_input_nodes
+from offgraph_export.passes.kv_sites import find_kv_sites
+from offgraph_export.passes.result import PassResult
 from offgraph_export.specs.cache_config import CacheConfig
-from offgraph_export.specs.manifest import MANIFEST_VERSION, CacheManifest
+from offgraph_export.specs.manifest import (
+    MANIFEST_VERSION,
+    CacheManifest,
+    storage_index,
+    storage_names,
+)
 
-__all__ = ["build_manifest", "storage_names"]
-
-
-def storage_names(layer_id: int) -> tuple[str, str]:
-    return f"k_cache_{layer_id}", f"v_cache_{layer_id}"
+__all__ = ["build_manifest"]
 
 
 def _static(value: object, what: str, node: str) -> int:
@@ -28,8 +30,12 @@ def _static(value: object, what: str, node: str) -> int:
     return value
 
 
-def build_manifest(ep: ExportedProgram, config: CacheConfig) -> CacheManifest:
-    sites = validate_kv_sites(ep)
+def build_manifest(ep: ExportedProgram, config: CacheConfig) -> PassResult[CacheManifest]:
+    """Produce the manifest (the graph is left alone). Expects sites that
+    :func:`~offgraph_export.passes.validate.validate_kv_sites` accepted."""
+    sites = find_kv_sites(ep.graph)
+    if not sites:
+        raise ExportError("no KV op in the graph: there is no cache to describe")
     unknown = sorted(set(config.ring_windows) - {s.layer_id for s in sites})
     if unknown:
         raise ExportError(f"cache config names ring layers {unknown} that the graph does not have")
@@ -44,19 +50,18 @@ def build_manifest(ep: ExportedProgram, config: CacheConfig) -> CacheManifest:
         layers.append(
             dict(
                 layer_id=site.layer_id,
-                policy=config.policy(site.layer_id),
                 window=config.window(site.layer_id),
                 kv_heads=_static(k.shape[1], "KV heads", node),
                 head_dim=_static(k.shape[3], "head dim", node),
                 v_head_dim=_static(v.shape[3], "value head dim", node),
-                k=dict(name=k_name, index=first + 2 * i),
-                v=dict(name=v_name, index=first + 2 * i + 1),
+                k=dict(name=k_name, index=storage_index(first, i, "k")),
+                v=dict(name=v_name, index=storage_index(first, i, "v")),
             )
         )
     if len(batch_sizes) != 1:
         raise ExportError(f"KV ops disagree on batch size: {sorted(batch_sizes)}")
     try:
-        return CacheManifest(
+        manifest = CacheManifest(
             version=MANIFEST_VERSION,
             storage_dtype=config.storage_dtype,
             batch_size=batch_sizes.pop(),
@@ -67,4 +72,5 @@ def build_manifest(ep: ExportedProgram, config: CacheConfig) -> CacheManifest:
         )
     except ValueError as exc:
         raise SpecError(f"cannot build a valid manifest: {exc}") from exc
+    return PassResult(ep, modified=False, produced=manifest)
 

@@ -14,9 +14,14 @@ from torch import fx
 from offgraph_export.errors import ExportError
 from offgraph_export.ops import NEUTRAL_OP_NAMES
 
-__all__ = ["KvSite", "find_kv_sites", "is_neutral_op"]
+__all__ = ["KvSite", "find_kv_sites", "is_neutral_op", "same_size"]
 
 _ARG_NAMES = ("q", "k", "v", "position", "layer_id", "scale", "out_dtype")
+
+
+def same_size(a: object, b: object) -> bool:
+    """Whether two traced sizes (ints or SymInts) are the same size."""
+    return a == b if isinstance(a, int) and isinstance(b, int) else str(a) == str(b)
 
 
 def is_neutral_op(node: fx.Node) -> bool:

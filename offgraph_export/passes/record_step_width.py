@@ -12,28 +12,21 @@ import torch
 from torch.export import ExportedProgram
 
 from offgraph_export.errors import ExportError
+from offgraph_export.passes.graph_utils import size_expr, user_input_nodes
 from offgraph_export.passes.kv_sites import find_kv_sites
+from offgraph_export.passes.result import PassResult
 from offgraph_export.specs.step_width import StepWidthSpec
 
-__all__ = ["record_step_width", "user_input_nodes"]
+__all__ = ["record_step_width"]
 
 
-def user_input_nodes(ep: ExportedProgram) -> list[torch.fx.Node]:
-    """Placeholders of the user inputs, in the order the runtime passes them."""
-    by_name = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
-    return [by_name[name] for name in ep.graph_signature.user_inputs]
-
-
-def _expr(size: object) -> object:
-    return size.node.expr if isinstance(size, torch.SymInt) else size
-
-
-def record_step_width(ep: ExportedProgram) -> StepWidthSpec:
+def record_step_width(ep: ExportedProgram) -> PassResult[StepWidthSpec]:
+    """Produce the spec; the graph is left alone."""
     sites = find_kv_sites(ep.graph)
     if not sites:
         raise ExportError("no KV op in the graph: there is no step width to record")
     widths = {site.node.name: site.val("k").shape[2] for site in sites}
-    exprs = {name: _expr(w) for name, w in widths.items()}
+    exprs = {name: size_expr(w) for name, w in widths.items()}
     if len({str(e) for e in exprs.values()}) != 1:
         listing = ", ".join(f"{name} writes {w}" for name, w in exprs.items())
         raise ExportError(f"KV ops write different token widths: {listing}")
@@ -49,8 +42,8 @@ def record_step_width(ep: ExportedProgram) -> StepWidthSpec:
         if not isinstance(value, torch.Tensor):
             continue
         for dim, size in enumerate(value.shape):
-            if _expr(size) == width:
-                return StepWidthSpec(input_index=index, dim=dim)
+            if size_expr(size) == width:
+                return PassResult(ep, modified=False, produced=StepWidthSpec(input_index=index, dim=dim))
     raise ExportError(
         f"no model input carries the token width {width} written by nodes {', '.join(exprs)}; "
         "the width must be the extent of some input (tokens [B,T], embeddings [B,T,H], positions [T])"

@@ -17,30 +17,15 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.export import Dim, ExportedProgram
 
+from offgraph_export.compat import dynamic_dim
 from offgraph_export.errors import ExportError
-from offgraph_export.passes.kv_sites import find_kv_sites
-from offgraph_export.passes.record_step_width import user_input_nodes
+from offgraph_export.lowering.step_impls import StepImpl, resolve_step_impl
+from offgraph_export.passes.graph_utils import input_dynamic_shapes
+from offgraph_export.passes.kv_sites import KvSite, find_kv_sites, same_size
+from offgraph_export.passes.result import PassResult
 from offgraph_export.specs.manifest import CacheManifest, LayerManifest
 
-__all__ = ["strip_kv_cache", "STEP_IMPLS", "step_impl"]
-
-STEP_IMPLS = ("portable", "triton")
-
-
-def step_impl(name: str | Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """The lowered step implementation called ``name`` (``portable`` or ``triton``). A callable
-    with the signature of ``portable_update_and_attend`` is returned as is (custom steps)."""
-    if callable(name):
-        return name
-    if name == "portable":
-        from offgraph_export.lowering.portable import portable_update_and_attend
-
-        return portable_update_and_attend
-    if name == "triton":
-        from offgraph_export.lowering.triton_attend import triton_update_and_attend
-
-        return triton_update_and_attend
-    raise ExportError(f"unknown step implementation {name!r}; expected one of {STEP_IMPLS}")
+__all__ = ["strip_kv_cache"]
 
 
 class _LayerStep:
@@ -62,8 +47,7 @@ class _StrippedModule(torch.nn.Module):
     """``forward(*model_inputs, *storage)``: the original program with storage bound per layer."""
 
     def __init__(
-        self, inner: torch.nn.Module, manifest: CacheManifest, n_inputs: int, names: Sequence[str],
-        impl: Callable[..., torch.Tensor],
+        self, inner: torch.nn.Module, manifest: CacheManifest, n_inputs: int, impl: StepImpl
     ) -> None:
         super().__init__()
         self.inner = inner
@@ -86,13 +70,9 @@ class _StrippedModule(torch.nn.Module):
         return type("StrippedProgram", (cls,), {"forward": forward})
 
     def forward(self, *args: torch.Tensor):
-        storage = args[self.n_inputs :]
-        by_index = {s.index - self.n_inputs: i for i, s in enumerate(self.manifest.storage_inputs())}
+        by_index = {s.index: arg for s, arg in zip(self.manifest.storage_inputs(), args[self.n_inputs :])}
         self.bound = {
-            layer.layer_id: (
-                storage[by_index[layer.k.index - self.n_inputs]],
-                storage[by_index[layer.v.index - self.n_inputs]],
-            )
+            layer.layer_id: (by_index[layer.k.index], by_index[layer.v.index])
             for layer in self.manifest.layers
         }
         try:
@@ -101,44 +81,30 @@ class _StrippedModule(torch.nn.Module):
             self.bound = {}
 
 
-def dynamic_dim(lo: int, hi: int | None) -> object:
-    """A dynamic dimension hint with a range.
-
-    ``Dim.DYNAMIC`` rather than a named strict ``Dim``: masked attention over storage produces
-    guards such as ``T*min(16, 32*T) == 16*T`` (from contiguity checks) that hold on the whole
-    range but that the strict solver cannot prove, on torch 2.11 and 2.13 alike. A hint accepts
-    such guards and still fails if the dimension would be specialized to a constant.
-    """
-    try:
-        return Dim.DYNAMIC(min=lo, max=hi) if hi is not None else Dim.DYNAMIC(min=lo)
-    except TypeError:  # a torch whose hints take no range: unbounded hint, ranges checked at runtime
-        return Dim.DYNAMIC
-
-
-def _input_dynamic_shapes(ep: ExportedProgram) -> tuple[list[dict[int, Dim]], dict]:
-    """Rebuild ``dynamic_shapes`` for the model inputs from the program's own symbols."""
-    dims: dict[str, Dim] = {}
-    shapes = []
-    for node in user_input_nodes(ep):
-        value = node.meta.get("val")
-        spec: dict[int, Dim] = {}
-        if isinstance(value, torch.Tensor):
-            for d, size in enumerate(value.shape):
-                if isinstance(size, torch.SymInt):
-                    expr = size.node.expr
-                    key = str(expr)
-                    if key not in dims:
-                        rng = ep.range_constraints.get(expr)
-                        if rng is None or not expr.is_symbol:
-                            raise ExportError(
-                                f"input {node.name} dim {d} has derived size {expr}; only plain "
-                                "dynamic dims are supported"
-                            )
-                        hi = int(rng.upper) if rng.upper.is_finite else None
-                        dims[key] = dynamic_dim(int(rng.lower), hi)
-                    spec[d] = dims[key]
-        shapes.append(spec)
-    return shapes, dims
+def _check_manifest_matches_sites(sites: list[KvSite], manifest: CacheManifest) -> None:
+    """The manifest describes exactly the graph's layers, with the graph's head counts and dims."""
+    problems = []
+    graph_layers = {site.layer_id for site in sites}
+    missing = sorted(graph_layers - set(manifest.layer_ids))  # type: ignore[type-var]
+    extra = sorted(set(manifest.layer_ids) - graph_layers)
+    if missing:
+        problems.append(f"layers {missing} are in the graph but not in the manifest")
+    if extra:
+        problems.append(f"layers {extra} are in the manifest but have no op in the graph")
+    for site in sites:
+        if site.layer_id not in manifest.layer_ids:
+            continue
+        layer = manifest.layer(site.layer_id)  # type: ignore[arg-type]
+        k, v = site.val("k"), site.val("v")
+        got = (k.shape[1], k.shape[3], v.shape[3])
+        want = (layer.kv_heads, layer.head_dim, layer.v_head_dim)
+        if not all(same_size(a, b) for a, b in zip(got, want)):
+            problems.append(
+                f"{site.node.name}: (kv_heads, head_dim, v_head_dim) is {got} in the graph but "
+                f"{want} in the manifest for layer {site.layer_id}"
+            )
+    if problems:
+        raise ExportError("the manifest does not match the graph:\n  " + "\n  ".join(problems))
 
 
 def _example_capacity(manifest: CacheManifest, taken: set[int]) -> int:
@@ -158,52 +124,37 @@ def strip_kv_cache(
     ep: ExportedProgram,
     manifest: CacheManifest,
     example_inputs: Sequence[torch.Tensor],
-    impl: str | Callable[..., torch.Tensor] = "portable",
-) -> ExportedProgram:
+    impl: str | StepImpl = "portable",
+) -> PassResult[list[int]]:
     """Return a new program: the model's inputs then the manifest's storage inputs, with every
-    neutral op replaced by in-place row writes and attention over valid rows (``impl``)."""
-    step = step_impl(impl)
+    neutral op replaced by in-place row writes and attention over valid rows (``impl``, see
+    :mod:`offgraph_export.lowering.step_impls`). Produces the ids of the layers it stripped."""
+    step = resolve_step_impl(impl)
     names = list(ep.graph_signature.user_inputs)
     if len(example_inputs) != len(names):
         raise ExportError(
             f"got {len(example_inputs)} example inputs but the program takes {len(names)} ({names})"
         )
-    expected_first = len(names)
-    if [s.index for s in manifest.storage_inputs()] != list(
-        range(expected_first, expected_first + 2 * len(manifest.layers))
-    ):
-        raise ExportError(
-            f"manifest storage indices {[s.index for s in manifest.storage_inputs()]} must follow "
-            f"the {expected_first} model inputs contiguously"
-        )
+    manifest.check_follows(len(names))
     gm = ep.module()
     sites = find_kv_sites(gm.graph)
-    site_layers = sorted(s.layer_id for s in sites)  # type: ignore[type-var]
-    if site_layers != sorted(manifest.layer_ids):
-        raise ExportError(
-            f"graph has KV ops for layers {site_layers} but the manifest lists {manifest.layer_ids}"
-        )
+    _check_manifest_matches_sites(sites, manifest)
     all_names = [*names, *(s.name for s in manifest.storage_inputs())]
-    stripped = _StrippedModule.named(all_names)(gm, manifest, len(names), names, step)
+    stripped = _StrippedModule.named(all_names)(gm, manifest, len(names), step)
     for site in sites:
         site.node.target = _LayerStep(stripped, manifest.layer(site.layer_id))  # type: ignore[arg-type]
     gm.recompile()
 
-    input_shapes, _ = _input_dynamic_shapes(ep)
     taken = {int(s) for x in example_inputs for s in x.shape}
     capacity = _example_capacity(manifest, taken)
     dtype = getattr(torch, manifest.storage_dtype)
     device = example_inputs[0].device
-    storage_args: list[torch.Tensor] = []
-    flat: list[bool] = []
-    for s in manifest.storage_inputs():
-        layer = next(l for l in manifest.layers if s in (l.k, l.v))
-        rows = layer.rows(capacity, manifest.max_write)
-        dim = layer.head_dim if s == layer.k else layer.v_head_dim
-        storage_args.append(
-            torch.zeros(manifest.batch_size, layer.kv_heads, rows, dim, dtype=dtype, device=device)
-        )
-        flat.append(layer.policy == "flat")
+    storage = manifest.storage_inputs()
+    storage_args = [
+        torch.zeros(manifest.storage_shape(s, capacity), dtype=dtype, device=device) for s in storage
+    ]
+    flat = [manifest.owner(s)[0].window is None for s in storage]
+    input_shapes = input_dynamic_shapes(ep)
 
     def trace(capacity_dim: Callable[[], object]) -> ExportedProgram:
         storage_shapes = [{2: capacity_dim()} if f else {} for f in flat]
@@ -222,8 +173,8 @@ def strip_kv_cache(
         except torch._dynamo.exc.UserError as exc:
             if exc.error_type != torch._dynamo.exc.UserErrorType.CONSTRAINT_VIOLATION:
                 raise
-            # Some torch versions cannot prove guards over a strict named range (see
-            # dynamic_dim); fall back to one range hint per flat storage input.
+            # The strict solver cannot prove some guards over a named range (see
+            # compat.dynamic_dim); fall back to one range hint per flat storage input.
             new_ep = trace(lambda: dynamic_dim(2, manifest.max_capacity))
     except Exception as exc:  # export raises many types; re-raise as ours with the cause chained
         raise ExportError(f"re-tracing the stripped program failed: {exc}") from exc
@@ -234,4 +185,4 @@ def strip_kv_cache(
     left = find_kv_sites(new_ep.graph)
     if left:
         raise ExportError(f"KV op nodes survived the strip: {[s.node.name for s in left]}")
-    return new_ep
+    return PassResult(new_ep, modified=True, produced=[int(s.layer_id) for s in sites])  # type: ignore[call-overload]

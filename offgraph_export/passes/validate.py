@@ -1,9 +1,10 @@
 """Validate the neutral-op sites of a traced graph before anything is rewritten.
 
-Every later stage assumes: layer ids are constant and unique (and, given a manifest, exactly the
-manifest's layers), positions are ``[T]`` or ``[T, 1]`` int64, and q/k/v agree on batch, width and
-head dims (``Hq`` a multiple of ``Hkv``). Catching these here gives a message naming the node
-instead of a shape error deep inside lowering.
+Every later stage assumes: layer ids are constant and unique, positions are ``[T]`` or ``[T, 1]``
+int64, and q/k/v agree on batch, width and head dims (``Hq`` a multiple of ``Hkv``). Catching these
+here gives a message naming the node instead of a shape error deep inside lowering. The sites are
+validated once, by this pass; whether they agree with a given manifest is the strip pass's check
+(the only pass that takes a manifest it did not build).
 """
 
 from __future__ import annotations
@@ -12,18 +13,15 @@ import torch
 from torch.export import ExportedProgram
 
 from offgraph_export.errors import ExportError
-from offgraph_export.passes.kv_sites import KvSite, find_kv_sites
-from offgraph_export.specs.manifest import CacheManifest
+from offgraph_export.passes.kv_sites import KvSite, find_kv_sites, same_size
+from offgraph_export.passes.result import PassResult
 
 __all__ = ["validate_kv_sites"]
 
 
-def _same(a: object, b: object) -> bool:
-    return a == b if isinstance(a, int) and isinstance(b, int) else str(a) == str(b)
-
-
-def validate_kv_sites(ep: ExportedProgram, manifest: CacheManifest | None = None) -> list[KvSite]:
-    """Return the sites, or raise :class:`ExportError` listing every problem found."""
+def validate_kv_sites(ep: ExportedProgram) -> PassResult[list[KvSite]]:
+    """Produce the sites (the graph is left alone), or raise :class:`ExportError` listing every
+    problem found."""
     sites = find_kv_sites(ep.graph)
     problems: list[str] = []
     if not sites:
@@ -50,36 +48,20 @@ def validate_kv_sites(ep: ExportedProgram, manifest: CacheManifest | None = None
             continue
         if pos.dtype != torch.int64:
             problems.append(f"{name}: position must be int64, got {pos.dtype}")
-        if not (pos.dim() == 1 or (pos.dim() == 2 and _same(pos.shape[1], 1))):
+        if not (pos.dim() == 1 or (pos.dim() == 2 and same_size(pos.shape[1], 1))):
             problems.append(f"{name}: position must be [T] or [T, 1], got shape {tuple(pos.shape)}")
-        elif not _same(pos.shape[0], k.shape[2]):
+        elif not same_size(pos.shape[0], k.shape[2]):
             problems.append(f"{name}: position has {pos.shape[0]} rows but k writes {k.shape[2]} tokens")
-        if not (_same(q.shape[0], k.shape[0]) and _same(k.shape[0], v.shape[0])):
+        if not (same_size(q.shape[0], k.shape[0]) and same_size(k.shape[0], v.shape[0])):
             problems.append(f"{name}: batch differs: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
-        if not (_same(q.shape[2], k.shape[2]) and _same(k.shape[2], v.shape[2])):
+        if not (same_size(q.shape[2], k.shape[2]) and same_size(k.shape[2], v.shape[2])):
             problems.append(f"{name}: token width differs: q {q.shape[2]}, k {k.shape[2]}, v {v.shape[2]}")
-        if not _same(q.shape[3], k.shape[3]):
+        if not same_size(q.shape[3], k.shape[3]):
             problems.append(f"{name}: head dim differs: q {q.shape[3]}, k {k.shape[3]}")
-        if not _same(k.shape[1], v.shape[1]):
+        if not same_size(k.shape[1], v.shape[1]):
             problems.append(f"{name}: KV heads differ: k {k.shape[1]}, v {v.shape[1]}")
         if isinstance(q.shape[1], int) and isinstance(k.shape[1], int) and q.shape[1] % k.shape[1]:
             problems.append(f"{name}: query heads {q.shape[1]} are not a multiple of KV heads {k.shape[1]}")
-        if manifest is not None and site.layer_id in manifest.layer_ids:
-            layer = manifest.layer(site.layer_id)
-            got = (k.shape[1], k.shape[3], v.shape[3])
-            want = (layer.kv_heads, layer.head_dim, layer.v_head_dim)
-            if not all(_same(a, b) for a, b in zip(got, want)):
-                problems.append(
-                    f"{name}: (kv_heads, head_dim, v_head_dim) is {got} in the graph but {want} in "
-                    f"the manifest for layer {site.layer_id}"
-                )
-    if manifest is not None:
-        missing = sorted(set(seen) - set(manifest.layer_ids))
-        extra = sorted(set(manifest.layer_ids) - set(seen))
-        if missing:
-            problems.append(f"layers {missing} are in the graph but not in the manifest")
-        if extra:
-            problems.append(f"layers {extra} are in the manifest but have no op in the graph")
     if problems:
         raise ExportError("invalid KV op sites:\n  " + "\n  ".join(problems))
-    return sites
+    return PassResult(ep, modified=False, produced=sites)

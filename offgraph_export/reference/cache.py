@@ -74,22 +74,19 @@ class ReferenceLayerCache:
     """History of one layer. Flat keeps every row up to ``capacity``; ring keeps the newest
     ``window`` rows before each step (all that step's queries can see) plus the step's own rows."""
 
-    def __init__(self, layer_id: int, policy: str, capacity: int, window: int | None = None) -> None:
-        if policy not in ("flat", "ring"):
-            raise OffgraphError(f"layer {layer_id}: unknown policy {policy!r}; expected flat or ring")
-        if policy == "ring" and (window is None or window < 1):
-            raise OffgraphError(f"layer {layer_id}: ring policy needs a positive window, got {window!r}")
+    def __init__(self, layer_id: int, capacity: int, window: int | None = None) -> None:
+        if window is not None and (type(window) is not int or window < 1):
+            raise OffgraphError(f"layer {layer_id}: a ring layer needs a positive window, got {window!r}")
         self.layer_id = layer_id
-        self.policy = policy
         self.capacity = capacity
-        self.window = window if policy == "ring" else None
-        self.length = 0
+        self.window = window  # None: flat (all history)
+        self.committed_length = 0
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
 
     def reset(self) -> None:
-        self.length = 0
+        self.committed_length = 0
         self.keys = self.values = self.positions = None
 
     def update_and_attend(
@@ -103,15 +100,16 @@ class ReferenceLayerCache:
     ) -> torch.Tensor:
         width = k.shape[2]
         pos = normalize_position(position, width)
-        expected = torch.arange(self.length, self.length + width, device=pos.device)
+        start = self.committed_length
+        expected = torch.arange(start, start + width, device=pos.device)
         if not torch.equal(pos, expected):
             raise OffgraphError(
-                f"layer {self.layer_id}: positions must continue the history at {self.length} "
-                f"(expected {self.length}..{self.length + width - 1}), got {pos.tolist()}"
+                f"layer {self.layer_id}: positions must continue the history at {start} "
+                f"(expected {start}..{start + width - 1}), got {pos.tolist()}"
             )
-        if self.policy == "flat" and self.length + width > self.capacity:
+        if self.window is None and start + width > self.capacity:
             raise CacheOverflowError(
-                f"layer {self.layer_id}: writing {width} tokens at length {self.length} exceeds the "
+                f"layer {self.layer_id}: writing {width} tokens at length {start} exceeds the "
                 f"cache capacity of {self.capacity} tokens"
             )
         if self.window is not None and self.keys is not None and self.keys.shape[2] > self.window:
@@ -126,7 +124,7 @@ class ReferenceLayerCache:
             self.keys = torch.cat([self.keys, k], dim=2)
             self.values = torch.cat([self.values, v], dim=2)
             self.positions = torch.cat([self.positions, pos])
-        self.length += width
+        self.committed_length += width
         assert self.values is not None and self.positions is not None
         out = attend_by_position(
             q, self.keys, self.values, pos, self.positions, scale, self.window, out_dtype
@@ -135,7 +133,8 @@ class ReferenceLayerCache:
 
     def rows_at(self, positions: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V rows (``[B,H,n,D]``) that this cache holds for the given absolute positions."""
-        assert self.positions is not None and self.keys is not None and self.values is not None
+        if self.positions is None or self.keys is None or self.values is None:
+            raise OffgraphError(f"layer {self.layer_id} holds no history yet")
         wanted = torch.tensor(list(positions), dtype=torch.int64, device=self.positions.device)
         idx = torch.searchsorted(self.positions, wanted)
         if idx.numel() and (
@@ -151,7 +150,7 @@ class ReferenceCaches:
     def __init__(self, config: CacheConfig, layer_ids: Iterable[int]) -> None:
         self.config = config
         self.layers = {
-            lid: ReferenceLayerCache(lid, config.policy(lid), config.max_capacity, config.window(lid))
+            lid: ReferenceLayerCache(lid, config.max_capacity, config.window(lid))
             for lid in layer_ids
         }
 
@@ -164,8 +163,9 @@ class ReferenceCaches:
             ) from None
 
     @property
-    def length(self) -> int:
-        lengths = {c.length for c in self.layers.values()}
+    def committed_length(self) -> int:
+        """Tokens every layer holds (-1 if the layers disagree, which a correct model never does)."""
+        lengths = {c.committed_length for c in self.layers.values()}
         return lengths.pop() if len(lengths) == 1 else -1
 
     def reset(self) -> None:

@@ -1,4 +1,4 @@
-"""The reference runtime: load an artifact, own the cache per session, check compiled steps."""
+"""The reference runtime: load an artifact, own the cache per session, run prepare -> run -> commit."""
 
 from offgraph_export.runtime.admission import admit_step
 from offgraph_export.runtime.artifact import Artifact

@@ -18,7 +18,7 @@ from offgraph_export.specs.artifact import ArtifactSpecs
 __all__ = ["admit_step"]
 
 
-def admit_step(specs: ArtifactSpecs, inputs: Sequence[object], used: int) -> int:
+def admit_step(specs: ArtifactSpecs, inputs: Sequence[object], committed_length: int) -> int:
     """Validate a step's model inputs; return its width (tokens written)."""
     expected = specs.inputs
     names = [s.name for s in expected]
@@ -27,7 +27,7 @@ def admit_step(specs: ArtifactSpecs, inputs: Sequence[object], used: int) -> int
             f"expected {len(expected)} model inputs {names} (storage is bound by the runtime), "
             f"got {len(inputs)}"
         )
-    width_spec = specs.width
+    width_spec = specs.step_width
     bindings: dict[str, tuple[int, str]] = {}
     for i, (x, spec) in enumerate(zip(inputs, expected)):
         label = f"input {i} ({spec.name})"
@@ -64,9 +64,9 @@ def admit_step(specs: ArtifactSpecs, inputs: Sequence[object], used: int) -> int
         raise StepRefused(f"step width is {width} (input {width_spec.input_index} dim {width_spec.dim}); a step writes at least one token")
     if width > manifest.max_write:
         raise StepRefused(f"step width {width} exceeds max_write={manifest.max_write}")
-    if manifest.has_flat and used + width > manifest.max_capacity:
+    if manifest.has_flat and committed_length + width > manifest.max_capacity:
         raise StepRefused(
-            f"step of {width} tokens at length {used} exceeds the max capacity of "
+            f"step of {width} tokens at length {committed_length} exceeds the max capacity of "
             f"{manifest.max_capacity} tokens; reset the session or export with a larger --max-capacity"
         )
     return width

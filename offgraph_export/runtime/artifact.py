@@ -54,10 +54,9 @@ class Artifact:
         metadata = compiled.get_metadata()  # type: ignore[attr-defined]
         if STEP_WIDTH_KEY not in metadata or MANIFEST_KEY not in metadata:
             raise ArtifactError(f"{path}: compiled program carries no offgraph specs in its metadata")
-        width = parse_step_width(metadata[STEP_WIDTH_KEY])
-        if width != specs.width:
+        if parse_step_width(metadata[STEP_WIDTH_KEY]) != specs.step_width:
             raise ArtifactError(
-                f"{path}: step width in the archive ({specs.step_width!r}) disagrees with the "
+                f"{path}: step width in the archive ({specs.step_width.format()!r}) disagrees with the "
                 f"compiled program's ({metadata[STEP_WIDTH_KEY]!r})"
             )
         if parse_manifest(metadata[MANIFEST_KEY]) != specs.manifest:

@@ -60,7 +60,7 @@ class Session:
         self.artifact = artifact
         self.specs = artifact.specs
         self.storage = SessionStorage(self.specs.manifest, artifact.device, allocator, poison)
-        self.used = 0
+        self.committed_length = 0
         self.closed = False
         self._steps = self._failed = self._refused = 0
         self._graphs = None
@@ -76,16 +76,16 @@ class Session:
             self._refused += 1
             raise StepRefused("this session is closed; open a new one with artifact.new_session()")
         try:
-            width = admit_step(self.specs, inputs, self.used)
+            width = admit_step(self.specs, inputs, self.committed_length)
         except StepRefused:
             self._refused += 1
             raise
         try:
-            self.storage.ensure(self.used + width, self.used)
+            self.storage.ensure(self.committed_length + width, self.committed_length)
         except Exception as exc:  # the allocator may raise anything (OOM, ...): storage unchanged
             self._refused += 1
             raise StepRefused(
-                f"could not grow storage to {self.used + width} tokens (cache unchanged): {exc}"
+                f"could not grow storage to {self.committed_length + width} tokens (cache unchanged): {exc}"
             ) from exc
         return width
 
@@ -97,7 +97,7 @@ class Session:
         return self.artifact.run([*inputs, *self.storage.bound()])
 
     def commit(self, width: int) -> None:
-        self.used += width
+        self.committed_length += width
         self._steps += 1
 
     def step(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
@@ -108,7 +108,7 @@ class Session:
         except Exception as exc:  # the compiled program's C++ errors surface as RuntimeError
             self._failed += 1
             raise StepFailed(
-                f"compiled step of {width} tokens at length {self.used} failed; the cache was not "
+                f"compiled step of {width} tokens at length {self.committed_length} failed; the cache was not "
                 f"advanced: {_first_line(exc)}"
             ) from exc
         self.commit(width)
@@ -119,7 +119,7 @@ class Session:
         """Forget the history; storage (and its capacity) is kept for reuse."""
         if self.closed:
             raise StepRefused("this session is closed; open a new one with artifact.new_session()")
-        self.used = 0
+        self.committed_length = 0
         if self.storage.poison:
             self.storage.poison_from(0)
 
@@ -130,7 +130,7 @@ class Session:
 
     def metrics(self) -> SessionMetrics:
         return SessionMetrics(
-            committed_length=self.used,
+            committed_length=self.committed_length,
             capacity=self.storage.capacity,
             growth_count=self.storage.growth_count,
             allocated_bytes=self.storage.allocated_bytes(),

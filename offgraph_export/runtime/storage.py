@@ -3,8 +3,9 @@
 Flat layers share one capacity (rows) that grows as ``min(max, max(required, 2 x current))``
 from the manifest's initial capacity. Growth is transactional: every new tensor is allocated
 first, live rows are copied, and only then are the new tensors swapped in; if any allocation or
-copy fails the session's storage is exactly what it was. Ring layers are fixed at
-``window + max_write - 1`` rows and never move.
+copy fails the session's storage is exactly what it was. Ring layers never move. Shapes, row
+counts and which layer owns which input are the manifest's rules
+(:mod:`offgraph_export.specs.manifest`).
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from offgraph_export.errors import CacheOverflowError
-from offgraph_export.specs.manifest import CacheManifest, LayerManifest
+from offgraph_export.errors import CacheOverflowError, OffgraphError
+from offgraph_export.specs.manifest import CacheManifest, StorageInput, Which
 
 __all__ = ["Allocator", "default_allocator", "SessionStorage", "grown_capacity"]
 
@@ -26,7 +27,7 @@ def default_allocator(shape: tuple[int, ...], dtype: torch.dtype, device: torch.
 
 
 def grown_capacity(current: int, required: int, maximum: int) -> int:
-    """The growth rule of DESIGN.md: ``min(max, max(required, 2 x current))``."""
+    """The growth rule: ``min(max, max(required, 2 x current))``."""
     return min(maximum, max(required, 2 * current))
 
 
@@ -51,27 +52,30 @@ class SessionStorage:
         self.poison = poison
         self.capacity = manifest.initial_capacity if manifest.has_flat else 0
         self.growth_count = 0
-        self._order = [(layer, which) for layer in manifest.layers for which in ("k", "v")]
-        self._order.sort(key=lambda item: getattr(item[0], item[1]).index)
-        self.tensors: dict[tuple[int, str], torch.Tensor] = {}
-        for layer, which in self._order:
-            self.tensors[(layer.layer_id, which)] = self._allocate(layer, which, self._rows(layer, self.capacity))
-        self._bound = [self.tensors[(layer.layer_id, which)] for layer, which in self._order]
+        self._inputs = manifest.storage_inputs()
+        self._keys = [self._key(s) for s in self._inputs]
+        self.tensors: dict[tuple[int, Which], torch.Tensor] = {
+            key: self._allocate(s, self.capacity) for key, s in zip(self._keys, self._inputs)
+        }
+        self._bound = [self.tensors[key] for key in self._keys]
 
-    def _rows(self, layer: LayerManifest, capacity: int) -> int:
-        return layer.rows(capacity, self.manifest.max_write)
+    def _key(self, storage: StorageInput) -> tuple[int, Which]:
+        layer, which = self.manifest.owner(storage)
+        return layer.layer_id, which
 
-    def _allocate(self, layer: LayerManifest, which: str, rows: int) -> torch.Tensor:
-        dim = layer.head_dim if which == "k" else layer.v_head_dim
-        shape = (self.manifest.batch_size, layer.kv_heads, rows, dim)
+    def _grows(self, storage: StorageInput) -> bool:
+        return self.manifest.owner(storage)[0].window is None
+
+    def _allocate(self, storage: StorageInput, capacity: int) -> torch.Tensor:
+        shape = self.manifest.storage_shape(storage, capacity)
         tensor = self.allocator(shape, self.dtype, self.device)
         if tuple(tensor.shape) != shape or tensor.dtype != self.dtype or tensor.device != self.device:
-            raise RuntimeError(
+            raise OffgraphError(
                 f"allocator returned {tuple(tensor.shape)} {tensor.dtype} on {tensor.device}; "
                 f"expected {shape} {self.dtype} on {self.device}"
             )
         if not tensor.is_contiguous():  # the compiled step indexes storage as contiguous
-            raise RuntimeError(
+            raise OffgraphError(
                 f"allocator returned a non-contiguous tensor (strides {tensor.stride()}) for {shape}"
             )
         if self.poison:
@@ -82,12 +86,9 @@ class SessionStorage:
         """Storage tensors in program-input order (what the compiled step is called with)."""
         return self._bound
 
-    def layer_tensors(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.tensors[(layer_id, "k")], self.tensors[(layer_id, "v")]
-
-    def ensure(self, required: int, live: int) -> bool:
-        """Make flat capacity >= ``required`` tokens, keeping rows ``[0, live)``. Returns whether
-        storage moved. Raises :class:`CacheOverflowError` past ``max_capacity``."""
+    def ensure(self, required: int, committed_length: int) -> bool:
+        """Make flat capacity >= ``required`` tokens, keeping rows ``[0, committed_length)``.
+        Returns whether storage moved. Raises :class:`CacheOverflowError` past ``max_capacity``."""
         if not self.manifest.has_flat or required <= self.capacity:
             return False
         maximum = self.manifest.max_capacity
@@ -96,15 +97,15 @@ class SessionStorage:
                 f"{required} tokens exceed the session's max capacity of {maximum}"
             )
         new_capacity = grown_capacity(self.capacity, required, maximum)
-        staged: dict[tuple[int, str], torch.Tensor] = {}
-        for layer, which in self._order:  # allocate and copy everything before touching state
-            if layer.policy != "flat":
+        staged: dict[tuple[int, Which], torch.Tensor] = {}
+        for key, storage in zip(self._keys, self._inputs):  # allocate and copy before touching state
+            if not self._grows(storage):
                 continue
-            new = self._allocate(layer, which, new_capacity)
-            new[:, :, :live].copy_(self.tensors[(layer.layer_id, which)][:, :, :live])
-            staged[(layer.layer_id, which)] = new
+            new = self._allocate(storage, new_capacity)
+            new[:, :, :committed_length].copy_(self.tensors[key][:, :, :committed_length])
+            staged[key] = new
         self.tensors.update(staged)
-        self._bound = [self.tensors[(layer.layer_id, which)] for layer, which in self._order]
+        self._bound = [self.tensors[key] for key in self._keys]
         self.capacity = new_capacity
         self.growth_count += 1
         return True
@@ -117,8 +118,8 @@ class SessionStorage:
     def allocated_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
-    def poison_from(self, live: int) -> None:
-        """Fill flat rows ``[live, capacity)`` with NaN (check mode)."""
-        for layer, which in self._order:
-            if layer.policy == "flat":
-                self.tensors[(layer.layer_id, which)][:, :, live:].fill_(float("nan"))
+    def poison_from(self, committed_length: int) -> None:
+        """Fill flat rows ``[committed_length, capacity)`` with NaN (check mode)."""
+        for key, storage in zip(self._keys, self._inputs):
+            if self._grows(storage):
+                self.tensors[key][:, :, committed_length:].fill_(float("nan"))

@@ -1,8 +1,10 @@
-"""Compile specs shared by export, lowering and the runtime. Nothing here imports torch."""
+"""Compile specs shared by export, lowering and the runtime, and the storage rules they imply
+(defined once, in :mod:`offgraph_export.specs.manifest`). Nothing here imports torch."""
 
 from offgraph_export.specs.artifact import (
     ArtifactSpecs,
     InputSpec,
+    SymbolRange,
     archive_entries,
     parse_artifact_specs,
     read_artifact_specs,
@@ -12,11 +14,15 @@ from offgraph_export.specs.cache_config import CacheConfig
 from offgraph_export.specs.manifest import (
     MANIFEST_KEY,
     MANIFEST_VERSION,
-    STORAGE_DTYPES,
     CacheManifest,
     LayerManifest,
     StorageInput,
     parse_manifest,
+    ring_rows,
+    row_position,
+    storage_index,
+    storage_names,
+    storage_row,
 )
 from offgraph_export.specs.step_width import (
     STEP_WIDTH_KEY,
@@ -28,20 +34,25 @@ from offgraph_export.specs.step_width import (
 __all__ = [
     "MANIFEST_KEY",
     "MANIFEST_VERSION",
-    "STORAGE_DTYPES",
     "STEP_WIDTH_KEY",
     "ArtifactSpecs",
     "CacheConfig",
-    "InputSpec",
-    "archive_entries",
-    "parse_artifact_specs",
-    "read_artifact_specs",
-    "write_artifact_specs",
     "CacheManifest",
+    "InputSpec",
     "LayerManifest",
-    "StorageInput",
     "StepWidthSpec",
+    "StorageInput",
+    "SymbolRange",
+    "archive_entries",
     "format_step_width",
+    "parse_artifact_specs",
     "parse_manifest",
     "parse_step_width",
+    "read_artifact_specs",
+    "ring_rows",
+    "row_position",
+    "storage_index",
+    "storage_names",
+    "storage_row",
+    "write_artifact_specs",
 ]

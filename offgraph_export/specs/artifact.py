@@ -4,14 +4,22 @@ program's inputs, stored as one JSON entry in the ``.pt2`` archive so it can be 
 
 from __future__ import annotations
 
-import json
 import os
 import zipfile
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
 from offgraph_export.errors import ArtifactError, SpecError
+from offgraph_export.specs.limits import loads_limited
 from offgraph_export.specs.manifest import CacheManifest
 from offgraph_export.specs.step_width import StepWidthSpec, parse_step_width
 
@@ -51,8 +59,9 @@ class SymbolRange(BaseModel):
 class ArtifactSpecs(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    version: int = ARTIFACT_SPECS_VERSION
-    step_width: str
+    version: int = Field(default=ARTIFACT_SPECS_VERSION, strict=True)
+    #: Parsed once, when the specs are read; serialized as the ``"input_index:dim"`` text.
+    step_width: StepWidthSpec
     manifest: CacheManifest
     device: Literal["cpu", "cuda"]
     step_impl: str
@@ -63,11 +72,20 @@ class ArtifactSpecs(BaseModel):
     model_args: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
     model_dtype: str | None = None
 
+    @field_validator("step_width", mode="before")
+    @classmethod
+    def _parse_width(cls, value: object) -> object:
+        return value if isinstance(value, StepWidthSpec) else parse_step_width(value)
+
+    @field_serializer("step_width")
+    def _format_width(self, value: StepWidthSpec) -> str:
+        return value.format()
+
     @model_validator(mode="after")
     def _consistent(self) -> "ArtifactSpecs":
         if self.version != ARTIFACT_SPECS_VERSION:
             raise ValueError(f"unknown artifact specs version {self.version}")
-        spec = parse_step_width(self.step_width)
+        spec = self.step_width
         n = len(self.inputs)
         if spec.input_index >= n:
             raise ValueError(
@@ -86,28 +104,17 @@ class ArtifactSpecs(BaseModel):
                 f"step width {self.step_width!r} names a static dim (extent {extent}); it must be "
                 "the dynamic token dimension"
             )
-        first = [s.index for s in self.manifest.storage_inputs()]
-        if first != list(range(n, n + len(first))):
-            raise ValueError(
-                f"manifest storage indices {first} must follow the {n} model inputs contiguously"
-            )
+        self.manifest.check_follows(n)
         return self
 
     @property
-    def width(self) -> StepWidthSpec:
-        return parse_step_width(self.step_width)
-
-    @property
     def width_symbol(self) -> str:
-        spec = self.width
+        spec = self.step_width
         return str(self.inputs[spec.input_index].shape[spec.dim])
 
 
 def parse_artifact_specs(text: str | bytes, source: str = "artifact") -> ArtifactSpecs:
-    try:
-        data = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ArtifactError(f"{source}: offgraph specs entry is not valid JSON: {exc}") from exc
+    data = loads_limited(text, f"{source}: offgraph specs entry", ArtifactError)
     try:
         return ArtifactSpecs.model_validate(data)
     except (ValidationError, SpecError) as exc:

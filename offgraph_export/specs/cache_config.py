@@ -1,14 +1,19 @@
-"""The user's cache configuration: which layers are flat or ring, capacities, storage dtype.
+"""The user's cache configuration: which layers are ring (sliding-window) layers, capacities,
+storage dtype.
 
 Export combines it with what the traced graph says (heads, head dims) into the manifest; the eager
-reference caches are built from it too, so oracle and artifact agree on capacity and windows.
+reference caches are built from it too, so oracle and artifact agree on capacity and windows. A
+layer's policy is its window, as in the manifest: a layer with no window is flat.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Iterable, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from offgraph_export.errors import SpecError
+from offgraph_export.specs.manifest import CacheManifest, StorageDtype
 
 __all__ = ["CacheConfig"]
 
@@ -19,7 +24,7 @@ class CacheConfig(BaseModel):
     max_capacity: int = Field(default=1024, ge=1, description="hard bound of tokens per session")
     initial_capacity: int = Field(default=64, ge=1, description="flat rows allocated up front")
     max_write: int = Field(default=128, ge=1, description="most tokens one step may write")
-    storage_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    storage_dtype: StorageDtype = "float32"
     ring_windows: dict[int, int] = Field(
         default_factory=dict, description="layer id -> sliding window; layers not named are flat"
     )
@@ -39,8 +44,52 @@ class CacheConfig(BaseModel):
                 raise ValueError(f"ring layer {layer_id} needs a positive window, got {window}")
         return self
 
-    def policy(self, layer_id: int) -> Literal["flat", "ring"]:
-        return "ring" if layer_id in self.ring_windows else "flat"
-
     def window(self, layer_id: int) -> int | None:
+        """The layer's sliding window, or None for a flat layer."""
         return self.ring_windows.get(layer_id)
+
+    def with_overrides(
+        self,
+        max_capacity: int | None = None,
+        initial_capacity: int | None = None,
+        max_write: int | None = None,
+        storage_dtype: StorageDtype | None = None,
+        rings: Mapping[int, int] | Iterable[tuple[int, int]] = (),
+        all_flat: bool = False,
+    ) -> "CacheConfig":
+        """A new config with the given fields replaced (None keeps the current value).
+        ``all_flat`` drops this config's ring layers; ``rings`` then adds or replaces windows.
+        Raises :class:`SpecError` naming the field when the result is inconsistent."""
+        update: dict[str, object] = {
+            key: value
+            for key, value in dict(
+                max_capacity=max_capacity, initial_capacity=initial_capacity,
+                max_write=max_write, storage_dtype=storage_dtype,
+            ).items()
+            if value is not None
+        }
+        windows = {} if all_flat else dict(self.ring_windows)
+        windows.update(dict(rings))
+        update["ring_windows"] = windows
+        try:
+            return CacheConfig.model_validate({**self.model_dump(), **update})
+        except ValidationError as exc:
+            raise SpecError(f"invalid cache configuration: {_errors(exc)}") from exc
+
+    @classmethod
+    def of_manifest(cls, manifest: CacheManifest) -> "CacheConfig":
+        """The configuration a manifest was built from (the eager oracle's caches use it)."""
+        return cls(
+            max_capacity=manifest.max_capacity,
+            initial_capacity=manifest.initial_capacity,
+            max_write=manifest.max_write,
+            storage_dtype=manifest.storage_dtype,
+            ring_windows={l.layer_id: l.window for l in manifest.layers if l.window is not None},
+        )
+
+
+def _errors(exc: ValidationError) -> str:
+    return "; ".join(
+        (".".join(str(p) for p in err["loc"]) + ": " if err["loc"] else "") + err["msg"].removeprefix("Value error, ")
+        for err in exc.errors()
+    )

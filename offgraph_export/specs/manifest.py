@@ -1,34 +1,107 @@
-"""The cache manifest compile spec (``offgraph_kv_manifest``): versioned JSON describing the
-off-graph KV storage a lowered program expects, layer by layer.
+"""The cache manifest compile spec (``offgraph_kv_manifest``) and the storage rules it implies.
 
-The strip pass follows it to add storage inputs; the runtime follows it to allocate, grow and bind
-storage; the check compares it with the program's real inputs.
+The manifest is versioned JSON describing the off-graph KV storage a lowered program expects, layer
+by layer. The strip pass follows it to add storage inputs; the runtime follows it to allocate, grow
+and bind storage; the check compares it with the program's real inputs.
+
+This module is also the one place that defines the storage rules every other module imports:
+
+* a layer's policy is encoded once, by ``window``: ``None`` keeps all history (flat), an int is a
+  sliding window of that many positions (ring); ``policy`` is derived from it for readers;
+* :func:`ring_rows`: a ring layer holds ``window + max_write - 1`` rows, enough that a step of
+  ``max_write`` tokens never overwrites a row its own queries still need;
+* :meth:`LayerManifest.rows`: flat layers hold ``capacity`` rows (they grow together), ring layers
+  :func:`ring_rows`;
+* :func:`storage_row`: the row of an absolute position is ``position mod rows``. A flat layer is a
+  ring that never wraps (its rows exceed every position it holds), so one formula serves both;
+* :func:`row_position`: the inverse, the position a row holds once positions up to ``last`` are
+  written (negative: the row was never written);
+* :meth:`CacheManifest.storage_shape` and :meth:`CacheManifest.owner`: the shape of a storage input
+  ``[batch, kv_heads, rows, head_dim | v_head_dim]`` and which layer (K or V) owns it;
+* :func:`storage_names` and :func:`storage_index`: the storage inputs follow the model's own inputs,
+  K then V per layer, in the order of the layers.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    computed_field,
+    model_validator,
+)
 
 from offgraph_export.errors import SpecError
+from offgraph_export.specs.limits import loads_limited
 
 __all__ = [
     "MANIFEST_KEY",
     "MANIFEST_VERSION",
-    "STORAGE_DTYPES",
+    "StorageDtype",
+    "Which",
     "StorageInput",
     "LayerManifest",
     "CacheManifest",
     "parse_manifest",
+    "ring_rows",
+    "storage_row",
+    "row_position",
+    "storage_names",
+    "storage_index",
 ]
 
 MANIFEST_KEY = "offgraph_kv_manifest"
 MANIFEST_VERSION = 1
-STORAGE_DTYPES = ("float32", "float16", "bfloat16")
 
+StorageDtype = Literal["float32", "float16", "bfloat16"]
+Which = Literal["k", "v"]
 Policy = Literal["flat", "ring"]
+
+Index = TypeVar("Index")
+
+
+# --- the storage rules -----------------------------------------------------------------------
+
+
+def ring_rows(window: int, max_write: int) -> int:
+    """Rows of a ring layer of ``window`` positions when a step writes up to ``max_write`` tokens:
+    the oldest query of a step still sees ``window - 1`` older positions while the step's
+    ``max_write`` rows are written."""
+    return window + max_write - 1
+
+
+def storage_row(position: Index, rows: int | Any) -> Index:
+    """The storage row that holds absolute ``position``: ``position mod rows``.
+
+    Works on ints, SymInts and integer tensors alike (``%`` is the floor modulo on all three). A flat
+    layer's rows exceed every position it holds, so there the row is the position itself."""
+    return position % rows  # type: ignore[operator]
+
+
+def row_position(row: Index, last: Any, rows: int | Any) -> Index:
+    """The absolute position ``row`` holds once positions ``0..last`` were written in order:
+    ``last - ((last - row) mod rows)``. Negative for a row never written (flat rows past
+    ``last``); the inverse of :func:`storage_row` on the rows that were."""
+    return last - (last - row) % rows  # type: ignore[operator]
+
+
+def storage_names(layer_id: int) -> tuple[str, str]:
+    """Names of a layer's K and V storage inputs."""
+    return f"k_cache_{layer_id}", f"v_cache_{layer_id}"
+
+
+def storage_index(n_model_inputs: int, layer_order: int, which: Which) -> int:
+    """Program-input index of the K or V storage of the ``layer_order``-th layer: storage follows
+    the model's ``n_model_inputs`` inputs, K then V per layer."""
+    return n_model_inputs + 2 * layer_order + (0 if which == "k" else 1)
+
+
+# --- the manifest ----------------------------------------------------------------------------
 
 
 class StorageInput(BaseModel):
@@ -41,47 +114,62 @@ class StorageInput(BaseModel):
 
 
 class LayerManifest(BaseModel):
+    """One layer's storage: ``window`` None is flat (all history), an int a ring of that window."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     layer_id: int = Field(ge=0)
-    policy: Policy
-    window: int | None = None
+    window: int | None = Field(default=None, ge=1, strict=True)
     kv_heads: int = Field(ge=1)
     head_dim: int = Field(ge=1)
     v_head_dim: int = Field(ge=1)
     k: StorageInput
     v: StorageInput
 
-    @model_validator(mode="after")
-    def _window_matches_policy(self) -> "LayerManifest":
-        if self.policy == "ring" and (self.window is None or self.window < 1):
+    @model_validator(mode="before")
+    @classmethod
+    def _policy_matches_window(cls, data: Any) -> Any:
+        """``policy`` is serialized for readers of the JSON and may be omitted on input; given, it
+        must agree with ``window``."""
+        if not isinstance(data, dict) or "policy" not in data:
+            return data
+        data = dict(data)
+        layer = data.get("layer_id")
+        window = data.get("window")
+        policy = data.pop("policy")
+        if policy not in ("flat", "ring"):
+            raise ValueError(f"layer {layer}: unknown policy {policy!r}; expected 'flat' or 'ring'")
+        if policy == "ring" and (type(window) is not int or window < 1):
+            raise ValueError(f"layer {layer}: a ring layer needs a positive window, got {window!r}")
+        if policy == "flat" and window is not None:
             raise ValueError(
-                f"layer {self.layer_id}: a ring layer needs a positive window, got {self.window!r}"
+                f"layer {layer}: a flat layer keeps all history and takes no window, "
+                f"got window={window!r}"
             )
-        if self.policy == "flat" and self.window is not None:
-            raise ValueError(
-                f"layer {self.layer_id}: a flat layer keeps all history and takes no window, "
-                f"got window={self.window!r}"
-            )
-        return self
+        return data
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def policy(self) -> Policy:
+        return "flat" if self.window is None else "ring"
 
     def rows(self, capacity: int, max_write: int) -> int:
-        """Storage rows for this layer at a given flat capacity."""
-        if self.policy == "ring":
-            assert self.window is not None
-            return self.window + max_write - 1
-        return capacity
+        """Storage rows of this layer when flat layers hold ``capacity`` rows."""
+        return capacity if self.window is None else ring_rows(self.window, max_write)
+
+    def head_dim_of(self, which: Which) -> int:
+        return self.head_dim if which == "k" else self.v_head_dim
 
 
 class CacheManifest(BaseModel):
     """What storage the program expects. ``max_capacity``/``initial_capacity`` are in tokens
-    (rows of flat layers); ring layers are fixed at ``window + max_write - 1`` rows."""
+    (rows of flat layers); ring layers are fixed at :func:`ring_rows` rows."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     # strict: a version must be exactly the integer, never coerced from "1", true or 1.0
     version: int = Field(strict=True)
-    storage_dtype: Literal["float32", "float16", "bfloat16"]
+    storage_dtype: StorageDtype
     batch_size: int = Field(ge=1)
     max_capacity: int = Field(ge=1)
     initial_capacity: int = Field(ge=1)
@@ -118,11 +206,13 @@ class CacheManifest(BaseModel):
                 indices.add(storage.index)
         return self
 
+    # --- lookups -------------------------------------------------------------------------------
+
     def layer(self, layer_id: int) -> LayerManifest:
         for layer in self.layers:
             if layer.layer_id == layer_id:
                 return layer
-        raise KeyError(f"layer {layer_id} is not in the manifest (layers: {self.layer_ids})")
+        raise SpecError(f"layer {layer_id} is not in the manifest (layers: {self.layer_ids})")
 
     @property
     def layer_ids(self) -> list[int]:
@@ -130,11 +220,49 @@ class CacheManifest(BaseModel):
 
     @property
     def has_flat(self) -> bool:
-        return any(layer.policy == "flat" for layer in self.layers)
+        return any(layer.window is None for layer in self.layers)
 
     def storage_inputs(self) -> list[StorageInput]:
         """Storage inputs in program-input order."""
         return sorted((s for layer in self.layers for s in (layer.k, layer.v)), key=lambda s: s.index)
+
+    def owner(self, storage: StorageInput) -> tuple[LayerManifest, Which]:
+        """The layer whose K or V ``storage`` is."""
+        for layer in self.layers:
+            if storage == layer.k:
+                return layer, "k"
+            if storage == layer.v:
+                return layer, "v"
+        raise SpecError(f"storage input {storage.name!r} (index {storage.index}) is in no layer")
+
+    # --- the storage rules, applied ------------------------------------------------------------
+
+    def rows(self, layer: LayerManifest, capacity: int) -> int:
+        """Rows of ``layer``'s storage when flat layers hold ``capacity`` rows."""
+        return layer.rows(capacity, self.max_write)
+
+    def storage_shape(self, storage: StorageInput, capacity: int) -> tuple[int, int, int, int]:
+        """``[batch, kv_heads, rows, head_dim | v_head_dim]`` of a storage input."""
+        layer, which = self.owner(storage)
+        return (self.batch_size, layer.kv_heads, self.rows(layer, capacity), layer.head_dim_of(which))
+
+    def first_storage_index(self) -> int:
+        return min(s.index for s in self.storage_inputs())
+
+    def check_follows(self, n_model_inputs: int) -> None:
+        """Raise :class:`SpecError` unless the storage inputs are exactly the program inputs that
+        follow the model's ``n_model_inputs``, K then V per layer in the order of ``layers``
+        (:func:`storage_index`)."""
+        got = [(layer.k.index, layer.v.index) for layer in self.layers]
+        want = [
+            (storage_index(n_model_inputs, i, "k"), storage_index(n_model_inputs, i, "v"))
+            for i in range(len(self.layers))
+        ]
+        if got != want:
+            raise SpecError(
+                f"manifest storage indices (k, v) per layer {got} must follow the "
+                f"{n_model_inputs} model inputs, K then V per layer: {want}"
+            )
 
     def to_json(self) -> str:
         return self.model_dump_json()
@@ -142,10 +270,7 @@ class CacheManifest(BaseModel):
 
 def parse_manifest(text: str | bytes) -> CacheManifest:
     """Parse and validate manifest JSON; raise :class:`SpecError` with every problem found."""
-    try:
-        data = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise SpecError(f"{MANIFEST_KEY} is not valid JSON: {exc}") from exc
+    data = loads_limited(text, MANIFEST_KEY)
     if isinstance(data, dict) and "version" in data and (
         type(data["version"]) is not int or data["version"] != MANIFEST_VERSION
     ):

@@ -29,7 +29,7 @@ class StepWidthSpec(BaseModel):
     dim: int = Field(ge=0, le=999_999_999)
 
     def format(self) -> str:
-        return f"{self.input_index}:{self.dim}"
+        return format_step_width(self.input_index, self.dim)
 
     def __str__(self) -> str:
         return self.format()
@@ -52,6 +52,7 @@ def parse_step_width(value: object) -> StepWidthSpec:
 
 
 def format_step_width(input_index: int, dim: int) -> str:
-    """Format a spec, validating it round-trips through :func:`parse_step_width`."""
+    """The one formatter of the spec; raises :class:`SpecError` unless the text parses back."""
     text = f"{input_index}:{dim}"
-    return parse_step_width(text).format()
+    parse_step_width(text)
+    return text

@@ -8,8 +8,8 @@ through the eager model over reference caches (same weights), and after every st
     rows past the history, poisoned with NaN before the step, are still NaN;
   * the written rows hold the oracle's K/V for those positions;
   * the width read from the spec equals the number of rows written.
-Before the replay it checks that the manifest matches the program's storage inputs and the
-layers the eager model really has. The default script crosses two growth boundaries and wraps
+After the first step it checks that the manifest matches the layers the eager model really has
+(the compiled program's inputs were checked against the specs when the artifact loaded). The default script crosses two growth boundaries and wraps
 every ring layer. The result is a :class:`CheckReport`; :func:`assert_artifact_matches` raises
 :class:`CheckFailed` carrying it, so a CI lowering check is one line in pytest.
 """
@@ -27,8 +27,9 @@ from offgraph_export.errors import CheckFailed, OffgraphError
 from offgraph_export.models import ModelBundle, load_bundle
 from offgraph_export.reference.cache import ReferenceCaches
 from offgraph_export.runtime.artifact import Artifact
+from offgraph_export.runtime.session import Session
 from offgraph_export.specs.cache_config import CacheConfig
-from offgraph_export.specs.manifest import CacheManifest
+from offgraph_export.specs.manifest import CacheManifest, storage_row
 
 __all__ = [
     "StepReport",
@@ -110,8 +111,8 @@ def default_schedule(
     if manifest.has_flat:
         needed = max(needed, 2 * manifest.initial_capacity + 2)
     for layer in manifest.layers:
-        if layer.policy == "ring":
-            needed = max(needed, layer.rows(0, manifest.max_write) + 2)
+        if layer.window is not None:
+            needed = max(needed, manifest.rows(layer, 0) + 2)
     needed = min(needed, manifest.max_capacity) if manifest.has_flat else needed
     prefill = max(prefill_chunks, needed - decode_steps)
     chunks = max(prefill_chunks, -(-prefill // manifest.max_write))
@@ -123,39 +124,70 @@ def default_schedule(
     return sizes + decode
 
 
+# -- row comparison ----------------------------------------------------------------------------
+
+
 def _changed_rows(before: torch.Tensor, after: torch.Tensor) -> list[int]:
     same = (before == after) | (torch.isnan(before) & torch.isnan(after))
     changed = (~same).any(dim=3).any(dim=1).any(dim=0)
     return changed.nonzero().flatten().tolist()
 
 
-def _oracle_config(manifest: CacheManifest) -> CacheConfig:
-    return CacheConfig(
-        max_capacity=manifest.max_capacity,
-        initial_capacity=manifest.initial_capacity,
-        max_write=manifest.max_write,
-        storage_dtype=manifest.storage_dtype,
-        ring_windows={l.layer_id: l.window for l in manifest.layers if l.policy == "ring"},
-    )
+def _compare_rows(
+    step: StepReport,
+    manifest: CacheManifest,
+    before: list[torch.Tensor],
+    after: list[torch.Tensor],
+    ref: ReferenceCaches,
+    tolerance: tuple[float, float],
+) -> None:
+    """Storage rows changed by the step are exactly the rows of its positions, and hold the
+    oracle's K/V for them; appends what differs to ``step.problems``."""
+    atol, rtol = tolerance
+    positions = list(range(step.start, step.start + step.width))
+    for storage, old, new in zip(manifest.storage_inputs(), before, after):
+        layer, which = manifest.owner(storage)
+        rows = new.shape[2]
+        expected_rows = sorted({storage_row(p, rows) for p in positions})
+        written = _changed_rows(old, new)
+        step.rows_written[storage.name] = written
+        if written != expected_rows:
+            step.problems.append(
+                f"{storage.name}: rows written {_span(written)}, expected {_span(expected_rows)} "
+                f"(positions {positions[0]}..{positions[-1]})"
+            )
+        if len(written) != step.width_from_spec and layer.window is None:
+            step.problems.append(
+                f"{storage.name}: spec width {step.width_from_spec} but {len(written)} rows written"
+            )
+        k_ref, v_ref = ref[layer.layer_id].rows_at(positions)
+        want = (k_ref if which == "k" else v_ref).float()
+        got = new[:, :, [storage_row(p, rows) for p in positions]].float()
+        err = float((got - want).abs().max())
+        step.storage_max_err = max(step.storage_max_err, err)
+        if not err <= atol + rtol * float(want.abs().max()):
+            step.problems.append(f"{storage.name}: stored rows differ from the oracle's K/V by {err:.3e}")
 
 
-def _check_manifest_storage(session, manifest: CacheManifest) -> list[str]:
-    problems = []
-    bound = session.storage.bound()
-    for storage, tensor in zip(manifest.storage_inputs(), bound):
-        layer = next(l for l in manifest.layers if storage in (l.k, l.v))
-        dim = layer.head_dim if storage == layer.k else layer.v_head_dim
-        want = (manifest.batch_size, layer.kv_heads, layer.rows(session.storage.capacity, manifest.max_write), dim)
-        if tuple(tensor.shape) != want:
-            problems.append(f"storage {storage.name}: shape {tuple(tensor.shape)} but manifest says {want}")
-    return problems
+def _compare_outputs(step: StepReport, got: torch.Tensor, want: torch.Tensor, tolerance: tuple[float, float]) -> None:
+    atol, rtol = tolerance
+    got, want = got.float(), want.float()
+    if got.shape != want.shape:
+        step.problems.append(f"output shape {tuple(got.shape)} != eager {tuple(want.shape)}")
+        return
+    step.max_abs_err = float((got - want).abs().max())
+    step.tolerance = atol + rtol * float(want.abs().max())
+    if not step.max_abs_err <= step.tolerance:  # also catches NaN
+        step.problems.append(
+            f"output differs from eager by {step.max_abs_err:.3e} > tolerance {step.tolerance:.3e}"
+        )
 
 
 def _check_manifest_model(ref: ReferenceCaches, manifest: CacheManifest) -> list[str]:
     problems = []
     for layer in manifest.layers:
         cache = ref[layer.layer_id]
-        if cache.keys is None:
+        if cache.keys is None or cache.values is None:
             problems.append(f"manifest layer {layer.layer_id}: the eager model never wrote this layer")
             continue
         got = (cache.keys.shape[1], cache.keys.shape[3], cache.values.shape[3])
@@ -168,6 +200,90 @@ def _check_manifest_model(ref: ReferenceCaches, manifest: CacheManifest) -> list
     return problems
 
 
+# -- replay ------------------------------------------------------------------------------------
+
+
+def _tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    return TOLERANCES.get(dtype, TOLERANCES[torch.float32])
+
+
+def _replay(session: Session, bundle: ModelBundle, report: CheckReport) -> None:
+    """Run ``report.schedule`` step by step through the session and the eager model, appending a
+    :class:`StepReport` per step; stops at the first step the runtime refuses or that raises."""
+    artifact = session.artifact
+    manifest = artifact.specs.manifest
+    spec = artifact.specs.step_width
+    device = artifact.device
+    model = bundle.model.to(device)
+    out_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    out_tol = _tolerance(out_dtype)
+    storage_tol = _tolerance(getattr(torch, manifest.storage_dtype))
+    gen = torch.Generator().manual_seed(report.seed)
+    tokens = torch.randint(
+        0, bundle.vocab_size, (manifest.batch_size, sum(report.schedule)), generator=gen
+    ).to(device)
+    ref = ReferenceCaches(CacheConfig.of_manifest(manifest), manifest.layer_ids)
+    with torch.no_grad():
+        for index, width in enumerate(report.schedule):
+            start = session.committed_length
+            inputs = bundle.make_inputs(tokens[:, start : start + width], start)
+            step = StepReport(
+                index=index, kind="prefill" if width > 1 or index == 0 else "decode", start=start,
+                width=width, width_from_spec=int(inputs[spec.input_index].shape[spec.dim]),
+            )
+            report.steps.append(step)
+            growths_before = session.storage.growth_count
+            try:
+                session.prepare(inputs)
+            except OffgraphError as exc:
+                step.problems.append(f"step refused: {exc}")
+                return
+            if session.storage.growth_count != growths_before:
+                step.grew_to = session.storage.capacity
+            session.storage.poison_from(start)
+            before = [t.clone() for t in session.storage.bound()]
+            try:
+                outputs = session.run(inputs, width)
+            except Exception as exc:  # the compiled program failed: report, stop the replay
+                step.problems.append(f"compiled step raised: {str(exc).splitlines()[0]}")
+                return
+            session.commit(width)
+            with ref.activate():
+                expected = model(*inputs)
+            expected = expected if isinstance(expected, (tuple, list)) else (expected,)
+            if index == 0:
+                report.problems += _check_manifest_model(ref, manifest)
+            _compare_outputs(step, outputs[0], expected[0], out_tol)
+            _compare_rows(step, manifest, before, session.storage.bound(), ref, storage_tol)
+            if step.width_from_spec != width:
+                step.problems.append(f"spec width {step.width_from_spec} != tokens fed {width}")
+
+
+# -- report ------------------------------------------------------------------------------------
+
+
+def _conclude(report: CheckReport, session: Session) -> None:
+    """Growths, ring wraps, notes and the verdict, once the replay is over."""
+    manifest = session.specs.manifest
+    report.growths = session.storage.growth_count
+    for layer in manifest.layers:
+        if layer.window is not None:
+            report.ring_wraps[str(layer.layer_id)] = session.committed_length > manifest.rows(layer, 0)
+    if manifest.has_flat and report.growths < 2:
+        report.notes.append(f"the schedule crossed {report.growths} growth boundaries (wanted >= 2)")
+    for lid, wrapped in report.ring_wraps.items():
+        if not wrapped:
+            report.notes.append(f"ring layer {lid} did not wrap")
+    metrics = session.metrics()
+    if metrics.graph_captures or metrics.graph_replays:
+        report.notes.append(f"CUDA graphs: {metrics.graph_captures} captures, {metrics.graph_replays} replays")
+    report.passed = (
+        not report.problems
+        and all(s.ok for s in report.steps)
+        and len(report.steps) == len(report.schedule)
+    )
+
+
 def check_artifact(
     artifact: Artifact | str | Path,
     bundle: ModelBundle | str,
@@ -178,113 +294,24 @@ def check_artifact(
     cuda_graphs: bool = False,
 ) -> CheckReport:
     """Replay a session through ``artifact`` and the eager ``bundle``; never raises for a
-    mismatch (see the report), only for unusable inputs."""
+    mismatch (see the report), only for unusable inputs. The session is closed on every path."""
     model_name = bundle if isinstance(bundle, str) else ""
     if isinstance(bundle, str):
         bundle = load_bundle(bundle)
     if not isinstance(artifact, Artifact):
         artifact = Artifact.load(artifact, single_threaded=cuda_graphs)
     manifest = artifact.specs.manifest
-    device = artifact.device
     sched = list(schedule) if schedule is not None else default_schedule(manifest, decode_steps, prefill_chunks, seed)
     report = CheckReport(
-        artifact=str(artifact.path), model=model_name or artifact.specs.model, device=str(device),
-        seed=seed, schedule=sched,
+        artifact=str(artifact.path), model=model_name or artifact.specs.model,
+        device=str(artifact.device), seed=seed, schedule=sched,
     )
-    model = bundle.model.to(device)
-    out_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    atol, rtol = TOLERANCES.get(out_dtype, TOLERANCES[torch.float32])
-    s_atol, s_rtol = TOLERANCES.get(getattr(torch, manifest.storage_dtype), TOLERANCES[torch.float32])
-    gen = torch.Generator().manual_seed(seed)
-    batch = manifest.batch_size
-    tokens = torch.randint(0, bundle.vocab_size, (batch, sum(sched)), generator=gen).to(device)
-    ref = ReferenceCaches(_oracle_config(manifest), manifest.layer_ids)
     session = artifact.new_session(poison=True, cuda_graphs=cuda_graphs)
-    report.problems += _check_manifest_storage(session, manifest)
-    spec = artifact.specs.width
-    storage_names = [s.name for s in manifest.storage_inputs()]
-    layer_of = {s.name: l for l in manifest.layers for s in (l.k, l.v)}
-    used = 0
-    with torch.no_grad():
-        for index, width in enumerate(sched):
-            inputs = bundle.make_inputs(tokens[:, used : used + width], used)
-            step = StepReport(
-                index=index, kind="prefill" if width > 1 or index == 0 else "decode", start=used,
-                width=width, width_from_spec=int(inputs[spec.input_index].shape[spec.dim]),
-            )
-            report.steps.append(step)
-            growths_before = session.storage.growth_count
-            try:
-                session.prepare(inputs)
-            except OffgraphError as exc:
-                step.problems.append(f"step refused: {exc}")
-                break
-            if session.storage.growth_count != growths_before:
-                step.grew_to = session.storage.capacity
-            session.storage.poison_from(used)
-            before = [t.clone() for t in session.storage.bound()]
-            try:
-                outputs = session.run(inputs, width)
-            except Exception as exc:  # the compiled program failed: report, stop the replay
-                step.problems.append(f"compiled step raised: {str(exc).splitlines()[0]}")
-                break
-            session.commit(width)
-            with ref.activate():
-                expected = model(*inputs)
-            expected = expected if isinstance(expected, (tuple, list)) else (expected,)
-            if index == 0:
-                report.problems += _check_manifest_model(ref, manifest)
-            got, want = outputs[0].float(), expected[0].float()
-            if got.shape != want.shape:
-                step.problems.append(f"output shape {tuple(got.shape)} != eager {tuple(want.shape)}")
-            else:
-                step.max_abs_err = float((got - want).abs().max())
-                step.tolerance = atol + rtol * float(want.abs().max())
-                if not step.max_abs_err <= step.tolerance:  # also catches NaN
-                    step.problems.append(
-                        f"output differs from eager by {step.max_abs_err:.3e} > tolerance {step.tolerance:.3e}"
-                    )
-            positions = list(range(used, used + width))
-            for name, old, new in zip(storage_names, before, session.storage.bound()):
-                layer = layer_of[name]
-                rows = new.shape[2]
-                expected_rows = sorted({p % rows for p in positions}) if layer.policy == "ring" else positions
-                written = _changed_rows(old, new)
-                step.rows_written[name] = written
-                if written != expected_rows:
-                    step.problems.append(
-                        f"{name}: rows written {_span(written)}, expected {_span(expected_rows)} "
-                        f"(positions {used}..{used + width - 1})"
-                    )
-                if len(written) != step.width_from_spec and layer.policy == "flat":
-                    step.problems.append(
-                        f"{name}: spec width {step.width_from_spec} but {len(written)} rows written"
-                    )
-                k_ref, v_ref = ref[layer.layer_id].rows_at(positions)
-                row_idx = torch.tensor([p % rows if layer.policy == "ring" else p for p in positions], device=new.device)
-                want_rows = (k_ref if name == layer.k.name else v_ref).float()
-                got_rows = new[:, :, row_idx].float()
-                err = float((got_rows - want_rows).abs().max())
-                step.storage_max_err = max(step.storage_max_err, err)
-                if not err <= s_atol + s_rtol * float(want_rows.abs().max()):
-                    step.problems.append(f"{name}: stored rows differ from the oracle's K/V by {err:.3e}")
-            if step.width_from_spec != width:
-                step.problems.append(f"spec width {step.width_from_spec} != tokens fed {width}")
-            used += width
-    report.growths = session.storage.growth_count
-    for layer in manifest.layers:
-        if layer.policy == "ring":
-            report.ring_wraps[str(layer.layer_id)] = used > layer.rows(0, manifest.max_write)
-    if manifest.has_flat and report.growths < 2:
-        report.notes.append(f"the schedule crossed {report.growths} growth boundaries (wanted >= 2)")
-    for lid, wrapped in report.ring_wraps.items():
-        if not wrapped:
-            report.notes.append(f"ring layer {lid} did not wrap")
-    if cuda_graphs:
-        metrics = session.metrics()
-        report.notes.append(f"CUDA graphs: {metrics.graph_captures} captures, {metrics.graph_replays} replays")
-    report.passed = not report.problems and all(s.ok for s in report.steps) and len(report.steps) == len(sched)
-    session.close()
+    try:
+        _replay(session, bundle, report)
+        _conclude(report, session)
+    finally:
+        session.close()
     return report
 
 

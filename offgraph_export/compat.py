@@ -1,0 +1,54 @@
+"""Differences between the torch versions this package runs on (2.11 on the GPU machine, 2.13 in
+CI), each an explicit feature check made once at import, never a ``try``/``except TypeError`` around
+a call."""
+
+from __future__ import annotations
+
+import inspect
+
+from torch.export import Dim, ExportedProgram
+
+__all__ = [
+    "DIM_HINT_TAKES_RANGE",
+    "DECOMPOSES_TRITON_OPS",
+    "dynamic_dim",
+    "decompose",
+]
+
+
+def _accepts(fn: object, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters  # type: ignore[arg-type]
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+
+
+#: ``Dim.DYNAMIC(min=..., max=...)``: range-carrying dynamic-shape hints.
+DIM_HINT_TAKES_RANGE: bool = callable(Dim.DYNAMIC) and _accepts(type(Dim.DYNAMIC).__call__, "min")
+
+#: ``ExportedProgram.run_decompositions(decompose_custom_triton_ops=...)``.
+DECOMPOSES_TRITON_OPS: bool = _accepts(ExportedProgram.run_decompositions, "decompose_custom_triton_ops")
+
+
+def dynamic_dim(lo: int, hi: int | None) -> object:
+    """A dynamic dimension hint with a range.
+
+    ``Dim.DYNAMIC`` rather than a named strict ``Dim``: masked attention over storage produces
+    guards such as ``T*min(16, 32*T) == 16*T`` (from contiguity checks) that hold on the whole
+    range but that the strict solver cannot prove (seen on torch 2.11 with CUDA). A hint accepts
+    such guards and still fails if the dimension would be specialized to a constant. Without
+    range support the hint is unbounded and the ranges are enforced by the runtime's admission.
+    """
+    if not DIM_HINT_TAKES_RANGE:
+        return Dim.DYNAMIC
+    return Dim.DYNAMIC(min=lo, max=hi) if hi is not None else Dim.DYNAMIC(min=lo)
+
+
+def decompose(ep: ExportedProgram) -> ExportedProgram:
+    """``run_decompositions`` that also decomposes ``triton_op`` custom ops into their kernels
+    (where torch can), so AOTInductor compiles the kernels instead of calling the op by name."""
+    if DECOMPOSES_TRITON_OPS:
+        return ep.run_decompositions({}, decompose_custom_triton_ops=True)
+    return ep.run_decompositions({})
+
+

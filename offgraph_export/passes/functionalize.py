@@ -1,0 +1,19 @@
+"""Functionalize the stripped program: its in-place storage writes become declared user-input
+mutations, and ``triton_op`` steps are decomposed into their kernels (export keeps them as opaque
+custom ops by default) so that AOTInductor compiles the kernels into the package instead of calling
+the op by name."""
+
+from __future__ import annotations
+
+from torch.export import ExportedProgram
+
+from offgraph_export.compat import decompose
+from offgraph_export.passes.result import PassResult
+
+__all__ = ["functionalize"]
+
+
+def functionalize(ep: ExportedProgram) -> PassResult[None]:
+    """``modified`` says whether the graph's code changed."""
+    out = decompose(ep)
+    return PassResult(out, modified=out.graph_module.code != ep.graph_module.code, produced=None)

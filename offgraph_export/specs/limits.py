@@ -1,0 +1,58 @@
+"""Bounded JSON reading for specs that come from untrusted archives.
+
+``json.loads`` recurses once per nesting level, so a few thousand ``[`` raise ``RecursionError``,
+and it reads any size it is handed. Specs are small and shallow (the manifest nests four levels),
+so anything deeper than :data:`MAX_JSON_DEPTH` or larger than :data:`MAX_JSON_BYTES` is refused
+before parsing, with the same error type as any other malformed spec.
+"""
+
+from __future__ import annotations
+
+import json
+
+from offgraph_export.errors import SpecError
+
+__all__ = ["MAX_JSON_BYTES", "MAX_JSON_DEPTH", "loads_limited"]
+
+MAX_JSON_BYTES = 4 << 20
+MAX_JSON_DEPTH = 16
+
+
+def _depth(text: str) -> int:
+    """Deepest ``{``/``[`` nesting of ``text``, ignoring brackets inside strings."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+            if deepest > MAX_JSON_DEPTH:
+                break
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def loads_limited(text: str | bytes, what: str, error: type[Exception] = SpecError) -> object:
+    """Parse JSON ``text`` describing ``what``; raise ``error`` naming ``what`` when it is not
+    valid JSON, larger than :data:`MAX_JSON_BYTES` or nested deeper than :data:`MAX_JSON_DEPTH`."""
+    size = len(text) if isinstance(text, bytes) else len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_JSON_BYTES:
+        raise error(f"{what} is {size} bytes; more than the {MAX_JSON_BYTES} a spec may hold")
+    try:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8")
+        if _depth(text) > MAX_JSON_DEPTH:
+            raise error(f"{what} nests deeper than {MAX_JSON_DEPTH} levels; not a valid spec")
+        return json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise error(f"{what} is not valid JSON: {exc}") from exc
