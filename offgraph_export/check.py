@@ -24,11 +24,11 @@ import torch
 from pydantic import BaseModel, Field
 
 from offgraph_export.errors import CheckFailed, OffgraphError
-from offgraph_export.models import ModelBundle, load_bundle
-from offgraph_export.reference.cache import ReferenceCaches
+from offgraph_export.frontends import load_bundle
+from offgraph_export.models import ModelBundle
+from offgraph_export.reference.oracle import Oracle
 from offgraph_export.runtime.artifact import Artifact
 from offgraph_export.runtime.session import Session
-from offgraph_export.specs.cache_config import CacheConfig
 from offgraph_export.specs.manifest import CacheManifest, storage_row
 
 __all__ = [
@@ -138,11 +138,12 @@ def _compare_rows(
     manifest: CacheManifest,
     before: list[torch.Tensor],
     after: list[torch.Tensor],
-    ref: ReferenceCaches,
+    oracle: Oracle,
     tolerance: tuple[float, float],
 ) -> None:
     """Storage rows changed by the step are exactly the rows of its positions, and hold the
-    oracle's K/V for them; appends what differs to ``step.problems``."""
+    oracle's K/V for those of them the oracle still holds; appends what differs to
+    ``step.problems``."""
     atol, rtol = tolerance
     positions = list(range(step.start, step.start + step.width))
     for storage, old, new in zip(manifest.storage_inputs(), before, after):
@@ -160,9 +161,14 @@ def _compare_rows(
             step.problems.append(
                 f"{storage.name}: spec width {step.width_from_spec} but {len(written)} rows written"
             )
-        k_ref, v_ref = ref[layer.layer_id].rows_at(positions)
-        want = (k_ref if which == "k" else v_ref).float()
-        got = new[:, :, [storage_row(p, rows) for p in positions]].float()
+        held = oracle.held(layer.layer_id)
+        index = {p: i for i, p in enumerate(held[0])} if held else {}
+        common = [p for p in positions if p in index]
+        if not common:
+            step.problems.append(f"{storage.name}: the oracle holds none of positions {_span(positions)}")
+            continue
+        want = (held[1] if which == "k" else held[2])[:, :, [index[p] for p in common]].float()
+        got = new[:, :, [storage_row(p, rows) for p in common]].float().to(want.device)
         err = float((got - want).abs().max())
         step.storage_max_err = max(step.storage_max_err, err)
         if not err <= atol + rtol * float(want.abs().max()):
@@ -183,14 +189,15 @@ def _compare_outputs(step: StepReport, got: torch.Tensor, want: torch.Tensor, to
         )
 
 
-def _check_manifest_model(ref: ReferenceCaches, manifest: CacheManifest) -> list[str]:
+def _check_manifest_model(oracle: Oracle, manifest: CacheManifest) -> list[str]:
     problems = []
     for layer in manifest.layers:
-        cache = ref[layer.layer_id]
-        if cache.keys is None or cache.values is None:
+        held = oracle.held(layer.layer_id)
+        if held is None:
             problems.append(f"manifest layer {layer.layer_id}: the eager model never wrote this layer")
             continue
-        got = (cache.keys.shape[1], cache.keys.shape[3], cache.values.shape[3])
+        _, keys, values = held
+        got = (keys.shape[1], keys.shape[3], values.shape[3])
         want = (layer.kv_heads, layer.head_dim, layer.v_head_dim)
         if got != want:
             problems.append(
@@ -222,7 +229,7 @@ def _replay(session: Session, bundle: ModelBundle, report: CheckReport) -> None:
     tokens = torch.randint(
         0, bundle.vocab_size, (manifest.batch_size, sum(report.schedule)), generator=gen
     ).to(device)
-    ref = ReferenceCaches(CacheConfig.of_manifest(manifest), manifest.layer_ids)
+    oracle = bundle.oracle(manifest)
     with torch.no_grad():
         for index, width in enumerate(report.schedule):
             start = session.committed_length
@@ -248,13 +255,11 @@ def _replay(session: Session, bundle: ModelBundle, report: CheckReport) -> None:
                 step.problems.append(f"compiled step raised: {str(exc).splitlines()[0]}")
                 return
             session.commit(width)
-            with ref.activate():
-                expected = model(*inputs)
-            expected = expected if isinstance(expected, (tuple, list)) else (expected,)
+            expected = oracle.step(inputs)
             if index == 0:
-                report.problems += _check_manifest_model(ref, manifest)
+                report.problems += _check_manifest_model(oracle, manifest)
             _compare_outputs(step, outputs[0], expected[0], out_tol)
-            _compare_rows(step, manifest, before, session.storage.bound(), ref, storage_tol)
+            _compare_rows(step, manifest, before, session.storage.bound(), oracle, storage_tol)
             if step.width_from_spec != width:
                 step.problems.append(f"spec width {step.width_from_spec} != tokens fed {width}")
 

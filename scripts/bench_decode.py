@@ -1,7 +1,8 @@
 """Decode-step latency of an artifact at several history lengths, with and without CUDA graphs.
 
-    python scripts/bench_decode.py ARTIFACT [--history 1024 16384] [--steps 200] [--out FILE]
+    python scripts/bench_decode.py ARTIFACT [ARTIFACT ...] [--history 1024 16384] [--steps 200] [--out FILE]
 
+Several artifacts are measured side by side in one run (for each history, each artifact in turn).
 For each history length: a fresh session is prefilled to that length in max_write chunks (not
 timed), then ``--steps`` decode steps are timed one by one with CUDA events (GPU) or perf_counter
 (CPU) around ``session.step``; the median and p90 are reported in ms, next to the session's metrics.
@@ -16,7 +17,7 @@ import time
 
 import torch
 
-from offgraph_export.models import load_bundle
+from offgraph_export.frontends import load_bundle
 from offgraph_export.runtime import Artifact
 from offgraph_export.specs import read_artifact_specs
 
@@ -64,20 +65,24 @@ def bench(artifact: Artifact, make_inputs, history: int, steps: int, graphs: boo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("artifact")
+    parser.add_argument("artifacts", nargs="+")
     parser.add_argument("--history", type=int, nargs="+", default=[1024, 16384])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--out")
     args = parser.parse_args()
-    specs = read_artifact_specs(args.artifact)
-    bundle = load_bundle(specs.model, **specs.model_args)
-    artifact = Artifact.load(args.artifact, single_threaded=specs.device == "cuda")
+    loaded = []
+    for path in args.artifacts:
+        specs = read_artifact_specs(path)
+        bundle = load_bundle(specs.model, **specs.model_args)  # for its input builder
+        loaded.append((path, Artifact.load(path, single_threaded=specs.device == "cuda"), bundle.make_inputs))
+        del bundle
     results = []
     for history in args.history:
-        for graphs in ([False, True] if specs.device == "cuda" else [False]):
-            results.append(bench(artifact, bundle.make_inputs, history, args.steps, graphs))
-            print(json.dumps(results[-1]), flush=True)
-    report = {"artifact": args.artifact, "torch": torch.__version__, "results": results}
+        for path, artifact, make_inputs in loaded:
+            for graphs in ([False, True] if artifact.specs.device == "cuda" else [False]):
+                results.append({"artifact": path, **bench(artifact, make_inputs, history, args.steps, graphs)})
+                print(json.dumps(results[-1]), flush=True)
+    report = {"artifacts": args.artifacts, "torch": torch.__version__, "results": results}
     if torch.cuda.is_available():
         report["gpu"] = torch.cuda.get_device_name()
     if args.out:

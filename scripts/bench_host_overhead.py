@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from offgraph_export.models import load_bundle
+from offgraph_export.frontends import load_bundle
 from offgraph_export.runtime import Artifact
 
 EXAMPLE = str(Path(__file__).resolve().parent.parent / "examples" / "tiny_llama.py") + ":build"

@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from offgraph_export.models import load_bundle
+from offgraph_export.frontends import load_bundle
 from offgraph_export.runtime import Artifact
 from offgraph_export.specs import read_artifact_specs
 

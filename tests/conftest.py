@@ -55,6 +55,6 @@ def loaded_example(example_artifact):
 
 @pytest.fixture
 def example_bundle():
-    from offgraph_export.models import load_bundle
+    from offgraph_export.frontends import load_bundle
 
     return load_bundle(EXAMPLE)

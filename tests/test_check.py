@@ -15,7 +15,7 @@ import torch
 
 from offgraph_export.errors import ArtifactError, CheckFailed
 from offgraph_export.lowering.portable import portable_update_and_attend
-from offgraph_export.models import load_bundle
+from offgraph_export.frontends import load_bundle
 from offgraph_export.pipeline import export_model, lower, run_passes
 from offgraph_export.runtime import Artifact
 from offgraph_export.check import CheckReport, assert_artifact_matches, check_artifact

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.export import Dim
 
-from offgraph_export.models import load_bundle
+from offgraph_export.frontends import load_bundle
 from offgraph_export.reference import ReferenceCaches
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny_llama.py"

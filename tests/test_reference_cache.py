@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import offgraph_export.ops  # noqa: F401  (defines torch.ops.offgraph.update_and_attend)
 from offgraph_export.errors import CacheOverflowError, OffgraphError
-from offgraph_export.models import load_bundle
+from offgraph_export.frontends import load_bundle
 from offgraph_export.ops import update_and_attend
 from offgraph_export.reference import ReferenceCaches
 from offgraph_export.specs import CacheConfig

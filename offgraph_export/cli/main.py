@@ -61,7 +61,9 @@ def cli() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
 def export(model_factory, output, device, max_capacity, initial_capacity, max_write, dtype, rings, all_flat, step_impl, factory_args, as_json):
     """Export MODEL_FACTORY (FILE.py:FUNCTION or package.module:FUNCTION) to a .pt2 artifact."""
-    from offgraph_export.models import cast_bundle, load_bundle, parse_factory_args
+    from offgraph_export.frontends import canonical_reference, load_bundle
+    from offgraph_export.frontends.factory import parse_factory_args
+    from offgraph_export.models import cast_bundle
     from offgraph_export.pipeline import export_and_lower
 
     try:
@@ -76,7 +78,7 @@ def export(model_factory, output, device, max_capacity, initial_capacity, max_wr
         path, program, timings = export_and_lower(
             replace(bundle, cache_config=config), output, device=device, step_impl=step_impl,
             progress=lambda m: _say(f"[{time.perf_counter() - started:6.1f}s] {m}"),
-            model=model_factory, model_args=args, model_dtype=dtype,
+            model=canonical_reference(model_factory), model_args=args, model_dtype=dtype,
         )
     except OffgraphError as exc:
         _fail(exc)
@@ -158,8 +160,10 @@ def check(artifact, model_factory, steps, prefill_chunks, seed, factory_args, cu
     """Check ARTIFACT's compiled steps against its spec and the eager model.
 
     Exits 0 when every step matches, 1 when any check fails, 2 when the check cannot run."""
-    from offgraph_export.models import cast_bundle, load_bundle, parse_factory_args
     from offgraph_export.check import check_artifact
+    from offgraph_export.frontends import load_bundle
+    from offgraph_export.frontends.factory import parse_factory_args
+    from offgraph_export.models import cast_bundle
     from offgraph_export.specs.artifact import read_artifact_specs
 
     try:
@@ -190,7 +194,7 @@ def check(artifact, model_factory, steps, prefill_chunks, seed, factory_args, cu
 def run(artifact, prompt, tokens, max_new_tokens, model_factory, cuda_graphs, as_json):
     """Greedy generation from ARTIFACT with a session-owned cache."""
     from offgraph_export.generate import generate
-    from offgraph_export.models import load_bundle
+    from offgraph_export.frontends import load_bundle
     from offgraph_export.runtime.artifact import Artifact
 
     if (prompt is None) == (tokens is None):

@@ -1,4 +1,4 @@
-"""Eager reference caches: the oracle the compiled steps are checked against."""
+"""Eager reference caches and the oracle the compiled steps are checked against."""
 
 from offgraph_export.reference.cache import (
     ReferenceCaches,
@@ -7,8 +7,12 @@ from offgraph_export.reference.cache import (
     attend_by_position,
     normalize_position,
 )
+from offgraph_export.reference.oracle import HeldRows, Oracle, ReferenceOracle
 
 __all__ = [
+    "HeldRows",
+    "Oracle",
+    "ReferenceOracle",
     "ReferenceCaches",
     "ReferenceLayerCache",
     "active_caches",

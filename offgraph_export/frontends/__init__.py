@@ -1,0 +1,42 @@
+"""Model sources: where a :class:`~offgraph_export.models.ModelBundle` comes from.
+
+A model reference is one of
+
+* ``hf:DIR``: a local transformers checkpoint directory (:mod:`offgraph_export.frontends.hf`);
+* ``FILE.py:FUNCTION`` or ``package.module:FUNCTION``: a factory written against the neutral op
+  (:mod:`offgraph_export.frontends.factory`).
+
+Importing this package imports neither transformers nor any user code.
+"""
+
+from __future__ import annotations
+
+import os
+
+from offgraph_export.models import ModelBundle
+
+__all__ = ["HF_PREFIX", "load_bundle", "canonical_reference"]
+
+HF_PREFIX = "hf:"
+
+
+def load_bundle(reference: str, **kwargs: object) -> ModelBundle:
+    """The bundle a model reference names; ``kwargs`` go to the factory or the hf loader."""
+    if reference.startswith(HF_PREFIX):
+        from offgraph_export.frontends.hf import load_hf_bundle
+
+        return load_hf_bundle(reference[len(HF_PREFIX) :], **kwargs)  # type: ignore[arg-type]
+    from offgraph_export.frontends.factory import load_factory_bundle
+
+    return load_factory_bundle(reference, **kwargs)
+
+
+def canonical_reference(reference: str) -> str:
+    """The reference with its file or directory made absolute, so that it resolves from any
+    working directory (``package.module:FUNCTION`` is left as it is)."""
+    if reference.startswith(HF_PREFIX):
+        return HF_PREFIX + os.path.abspath(reference[len(HF_PREFIX) :])
+    module_part, sep, func = reference.rpartition(":")
+    if sep and module_part.endswith(".py"):
+        return f"{os.path.abspath(module_part)}:{func}"
+    return reference

@@ -1,0 +1,104 @@
+"""Reading a ``.pt2`` archive as untrusted input.
+
+Before anything in an archive is extracted or loaded, every entry is checked: its name must be a
+plain relative path inside the package's one root folder (no absolute path, no drive, no ``..``
+after normalization, no backslash, no NUL), it must be a regular file (no symbolic link or other
+special file), names must be unique, and with ``verify_crc`` every member is read and its CRC-32
+compared with the directory's. A bad archive is refused with an :class:`ArtifactError` naming the
+entry. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import stat
+import zipfile
+from pathlib import Path
+
+from offgraph_export.errors import ArtifactError
+
+__all__ = ["ROOT_MARKER", "check_archive", "archive_root"]
+
+#: The entry that marks a PT2 archive's root folder (``<root>/archive_format``).
+ROOT_MARKER = "archive_format"
+
+_CHUNK = 1 << 20
+
+
+def _check_name(name: str, source: str) -> None:
+    def bad(why: str) -> ArtifactError:
+        return ArtifactError(f"{source}: archive entry {name!r} {why}; refusing to load it")
+
+    if not name or "\x00" in name:
+        raise bad("has an empty or NUL-containing name")
+    if "\\" in name:
+        raise bad("contains a backslash")
+    if name.startswith("/") or (len(name) > 1 and name[1] == ":"):
+        raise bad("is an absolute path")
+    normalized = posixpath.normpath(name)
+    if normalized.startswith("../") or normalized == ".." or "/../" in f"/{normalized}/":
+        raise bad("climbs out of the package folder")
+    if any(part == ".." for part in name.split("/")):
+        raise bad("contains a '..' segment")
+
+
+def _is_special(info: zipfile.ZipInfo) -> bool:
+    """A symbolic link or another non-regular file (the Unix mode in the high external bits)."""
+    mode = info.external_attr >> 16
+    return bool(mode) and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
+def archive_root(names: list[str], source: str) -> str:
+    """The package's root folder (``"<stem>/"``), from the one ``archive_format`` entry."""
+    roots = [n[: -len(ROOT_MARKER)] for n in names if n == ROOT_MARKER or n.endswith("/" + ROOT_MARKER)]
+    if not roots:
+        raise ArtifactError(f"{source} is not a PT2 archive (no {ROOT_MARKER} entry)")
+    if len(roots) > 1:
+        raise ArtifactError(f"{source} has {len(roots)} {ROOT_MARKER} entries ({roots}); expected one")
+    return roots[0]
+
+
+def check_archive(path: str | os.PathLike, verify_crc: bool = True) -> list[zipfile.ZipInfo]:
+    """Validate every entry of the archive at ``path`` (see the module docstring); return them."""
+    source = str(path)
+    target = Path(path)
+    if not target.exists():
+        raise ArtifactError(f"artifact {source!r} does not exist")
+    if not target.is_file():
+        raise ArtifactError(f"artifact {source!r} is not a regular file")
+    try:
+        with zipfile.ZipFile(target) as archive:
+            infos = archive.infolist()
+            names = [info.filename for info in infos]
+            for info in infos:
+                _check_name(info.filename, source)
+                if _is_special(info):
+                    raise ArtifactError(
+                        f"{source}: archive entry {info.filename!r} is a link or special file; "
+                        "refusing to load it"
+                    )
+            duplicates = sorted({n for n in names if names.count(n) > 1})
+            if duplicates:
+                raise ArtifactError(f"{source}: archive entries {duplicates} appear more than once")
+            root = archive_root(names, source)
+            outside = [n for n in names if not n.startswith(root)]
+            if outside:
+                raise ArtifactError(
+                    f"{source}: archive entry {outside[0]!r} lies outside the package folder {root!r}"
+                )
+            if verify_crc:
+                for info in infos:
+                    try:
+                        with archive.open(info) as member:
+                            while member.read(_CHUNK):
+                                pass
+                    except zipfile.BadZipFile as exc:
+                        raise ArtifactError(
+                            f"{source}: archive entry {info.filename!r} is corrupt ({exc})"
+                        ) from exc
+    except zipfile.BadZipFile as exc:
+        raise ArtifactError(f"{source} is not a readable .pt2 archive: {exc}") from exc
+    except OSError as exc:
+        raise ArtifactError(f"{source} cannot be read: {exc}") from exc
+    return infos
