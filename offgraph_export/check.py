@@ -241,7 +241,7 @@ def _replay(session: Session, bundle: ModelBundle, report: CheckReport) -> None:
             report.steps.append(step)
             growths_before = session.storage.growth_count
             try:
-                session.prepare(inputs)
+                prepared = session.prepare(inputs)
             except OffgraphError as exc:
                 step.problems.append(f"step refused: {exc}")
                 return
@@ -250,11 +250,11 @@ def _replay(session: Session, bundle: ModelBundle, report: CheckReport) -> None:
             session.storage.poison_from(start)
             before = [t.clone() for t in session.storage.bound()]
             try:
-                outputs = session.run(inputs, width)
+                outputs = session.run(prepared)
             except Exception as exc:  # the compiled program failed: report, stop the replay
                 step.problems.append(f"compiled step raised: {str(exc).splitlines()[0]}")
                 return
-            session.commit(width)
+            session.commit(prepared)
             expected = oracle.step(inputs)
             if index == 0:
                 report.problems += _check_manifest_model(oracle, manifest)

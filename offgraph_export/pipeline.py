@@ -23,14 +23,16 @@ from offgraph_export.errors import ExportError
 from offgraph_export.lowering.aoti import compile_package
 from offgraph_export.lowering.step_impls import StepImpl, default_step_impl, step_impl_name
 from offgraph_export.models import ModelBundle
+from offgraph_export.passes.bound_table_indices import bound_table_indices
 from offgraph_export.passes.build_manifest import build_manifest
 from offgraph_export.passes.functionalize import functionalize
 from offgraph_export.passes.graph_utils import describe_inputs, user_input_nodes
+from offgraph_export.passes.record_positions import record_positions
 from offgraph_export.passes.record_step_width import record_step_width
 from offgraph_export.passes.result import PassResult
 from offgraph_export.passes.strip_kv_cache import strip_kv_cache
 from offgraph_export.passes.validate import validate_kv_sites
-from offgraph_export.specs.artifact import ArtifactSpecs
+from offgraph_export.specs.artifact import ArtifactSpecs, SymbolRange
 from offgraph_export.specs.cache_config import CacheConfig
 from offgraph_export.specs.manifest import CacheManifest
 from offgraph_export.specs.step_width import StepWidthSpec
@@ -60,13 +62,20 @@ class LoweredProgram:
     step_width: StepWidthSpec
     manifest: CacheManifest
     step_impl: str
+    positions_input: int | None = None
+    index_bounds: dict[int, int] = field(default_factory=dict)
     pass_results: dict[str, PassResult[Any]] = field(default_factory=dict)
 
     def artifact_specs(self, device: str, **model_info) -> ArtifactSpecs:
         n_inputs = len(self.exported.graph_signature.user_inputs)
         width_node = user_input_nodes(self.stripped)[self.step_width.input_index]
         width_symbol = str(width_node.meta["val"].shape[self.step_width.dim])
-        inputs, symbols = describe_inputs(self.stripped, n_inputs, width_symbol)
+        inputs, symbols = describe_inputs(self.stripped, n_inputs, self.index_bounds)
+        # Export raises a dynamic dim's lower bound to 2 (0/1 specialization); the compiled code
+        # is shape-generic and a step of one token is valid. A step writes at most max_write.
+        hi = symbols[width_symbol].max
+        max_write = self.manifest.max_write
+        symbols[width_symbol] = SymbolRange(min=1, max=max_write if hi is None else min(hi, max_write))
         return ArtifactSpecs(
             step_width=self.step_width,
             manifest=self.manifest,
@@ -75,6 +84,7 @@ class LoweredProgram:
             inputs=inputs,
             symbols=symbols,
             torch_version=torch.__version__,
+            positions_input=self.positions_input,
             **model_info,
         )
 
@@ -100,7 +110,8 @@ def run_passes(
     cache_config: CacheConfig,
     step_impl: str | StepImpl = "portable",
 ) -> LoweredProgram:
-    """validate -> record step width -> build manifest -> strip -> functionalize.
+    """validate -> record step width -> record positions -> bound table indices -> build
+    manifest -> strip -> functionalize.
 
     ``step_impl``: ``portable``, ``triton``, or a callable with the signature of
     ``portable_update_and_attend`` (recorded in the specs by its ``__name__``)."""
@@ -108,6 +119,8 @@ def run_passes(
     steps: list[tuple[str, Callable[[ExportedProgram], PassResult[Any]]]] = [
         ("validate_kv_sites", validate_kv_sites),
         ("record_step_width", record_step_width),
+        ("record_positions", record_positions),
+        ("bound_table_indices", bound_table_indices),
         ("build_manifest", lambda p: build_manifest(p, cache_config)),
         (
             "strip_kv_cache",
@@ -125,6 +138,8 @@ def run_passes(
         step_width=results["record_step_width"].produced,
         manifest=results["build_manifest"].produced,
         step_impl=step_impl_name(step_impl),
+        positions_input=results["record_positions"].produced,
+        index_bounds=results["bound_table_indices"].produced,
         pass_results=results,
     )
 

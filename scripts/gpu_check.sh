@@ -32,11 +32,15 @@ python3 -m offgraph_export export examples/tiny_llama.py:build -o "$ART" --devic
   --max-capacity 32768 --initial-capacity 16 --max-write 256 --json 2>&1 | tee "$OUT/export.log" || status=1
 
 step "check (ordinary launches)"
-python3 -m offgraph_export check "$ART" --steps 24 > "$OUT/check.txt" 2>&1 || status=1
+python3 -m offgraph_export check "$ART" --model examples/tiny_llama.py:build --steps 24 > "$OUT/check.txt" 2>&1 || status=1
 head -4 "$OUT/check.txt" | tee -a "$OUT/summary.txt"
 step "check (CUDA-graph decode)"
-python3 -m offgraph_export check "$ART" --steps 24 --cuda-graphs > "$OUT/check_graphs.txt" 2>&1 || status=1
+python3 -m offgraph_export check "$ART" --model examples/tiny_llama.py:build --steps 24 --cuda-graphs > "$OUT/check_graphs.txt" 2>&1 || status=1
 head -6 "$OUT/check_graphs.txt" | tee -a "$OUT/summary.txt"
+
+step "host overhead per decode step (prepare + commit; input values alone)"
+python3 scripts/bench_host_overhead.py "$ART" --steps 1000 > "$OUT/host_overhead.json" 2>"$OUT/host_overhead.log" || status=1
+grep -E "median|device" "$OUT/host_overhead.json" | tee -a "$OUT/summary.txt"
 
 if [ "$MODE" != "--quick" ]; then
   step "graph decode == eager-launch decode"

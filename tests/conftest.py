@@ -58,3 +58,20 @@ def example_bundle():
     from offgraph_export.frontends import load_bundle
 
     return load_bundle(EXAMPLE)
+
+
+@pytest.fixture(scope="session")
+def guarded(tmp_path_factory):
+    """``tiny_models.Guarded`` compiled for cpu: ``(artifact, model, cache config)``. Its steps
+    take ``(x [1,T,32], position [T], fail [1])`` and fail inside the program when ``fail`` != 0."""
+    from offgraph_export.pipeline import export_model, lower, run_passes
+    from offgraph_export.runtime import Artifact
+    from offgraph_export.specs import CacheConfig
+    from tests import tiny_models
+
+    model = tiny_models.Guarded().eval()
+    config = CacheConfig(max_capacity=64, initial_capacity=8, max_write=16, ring_windows={1: 4})
+    inputs = (torch.randn(1, 5, 32), torch.arange(5), torch.zeros(1, dtype=torch.int64))
+    ep = export_model(model, inputs, (1, 0, None), config.max_write)
+    path = lower(run_passes(ep, inputs, config), tmp_path_factory.mktemp("guarded") / "guarded.pt2", "cpu")
+    return Artifact.load(path), model, config

@@ -20,6 +20,7 @@ from offgraph_export.pipeline import export_model, lower, run_passes
 from offgraph_export.runtime import Artifact
 from offgraph_export.check import CheckReport, assert_artifact_matches, check_artifact
 from offgraph_export.specs.artifact import SPECS_ENTRY, read_artifact_specs
+from tests.archive_tools import rewrite, specs_edit
 from tests.conftest import EXAMPLE, cli
 
 # -- the example passes ---------------------------------------------------------------------------
@@ -55,14 +56,14 @@ def test_assert_artifact_matches_passes_and_returns_the_report(example_artifact,
 
 
 def test_cli_check_passes(example_artifact):
-    proc = cli("check", str(example_artifact))
+    proc = cli("check", str(example_artifact), "--model", EXAMPLE)
     assert proc.returncode == 0
     assert "PASSED" in proc.stdout and "FAIL" not in proc.stdout.replace("PASSED", "")
     assert "ring wraps: layer 1: yes" in proc.stdout
 
 
 def test_cli_check_json(example_artifact):
-    proc = cli("check", str(example_artifact), "--json", "--steps", "6", "--prefill-chunks", "4", "--seed", "2")
+    proc = cli("check", str(example_artifact), "--model", EXAMPLE, "--json", "--steps", "6", "--prefill-chunks", "4", "--seed", "2")
     data = json.loads(proc.stdout)
     assert data["passed"] is True and data["problems"] == []
     assert data["growths"] >= 2 and data["ring_wraps"] == {"1": True}
@@ -129,40 +130,19 @@ def test_assert_artifact_matches_raises_check_failed(broken_artifact, example_bu
 
 
 def test_cli_check_fails_with_a_readable_diff(broken_artifact):
-    proc = cli("check", str(broken_artifact), "--steps", "2", check=False)
+    proc = cli("check", str(broken_artifact), "--model", EXAMPLE, "--steps", "2", check=False)
     assert proc.returncode == 1, proc.stderr
     assert "FAILED" in proc.stdout
     assert "rows written [0, " in proc.stdout and "expected [0, " in proc.stdout
     assert "FAIL 0" in proc.stdout  # the failing step is marked in the table
 
-    proc = cli("check", str(broken_artifact), "--steps", "2", "--json", check=False)
+    proc = cli("check", str(broken_artifact), "--model", EXAMPLE, "--steps", "2", "--json", check=False)
     assert proc.returncode == 1
     data = json.loads(proc.stdout)
     assert data["passed"] is False and any("rows written" in p for p in data["steps"][0]["problems"])
 
 
 # -- packages whose archive disagrees with the compiled program -----------------------------------
-
-
-def rewrite_package(src: Path, dst: Path, edit) -> Path:
-    """Copy a .pt2 entry by entry; ``edit(name, data)`` returns new bytes, or None to drop it."""
-    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
-        for info in zin.infolist():
-            data = edit(info.filename, zin.read(info))
-            if data is not None:
-                zout.writestr(info, data)
-    return dst
-
-
-def edit_specs(change):
-    def edit(name, data):
-        if name.endswith(SPECS_ENTRY):
-            specs = json.loads(data)
-            change(specs)
-            return json.dumps(specs).encode()
-        return data
-
-    return edit
 
 
 @pytest.fixture
@@ -174,7 +154,7 @@ def wrong_width_artifact(example_artifact, tmp_path) -> Path:
         assert specs["step_width"] == "0:1"
         specs["step_width"] = "1:0"
 
-    return rewrite_package(example_artifact, tmp_path / "wrong_width.pt2", edit_specs(change))
+    return rewrite(example_artifact, tmp_path / "wrong_width.pt2", specs_edit(change))
 
 
 def test_wrong_width_spec_is_valid_looking_but_fails_to_load(wrong_width_artifact):
@@ -184,7 +164,7 @@ def test_wrong_width_spec_is_valid_looking_but_fails_to_load(wrong_width_artifac
 
 
 def test_cli_check_refuses_wrong_width_spec(wrong_width_artifact):
-    proc = cli("check", str(wrong_width_artifact), check=False)
+    proc = cli("check", str(wrong_width_artifact), "--model", EXAMPLE, check=False)
     assert proc.returncode == 2, proc.stdout
     assert "error:" in proc.stderr and "'1:0'" in proc.stderr and "'0:1'" in proc.stderr
     assert "PASSED" not in proc.stdout
@@ -194,7 +174,7 @@ def test_manifest_disagreeing_with_the_program_fails_to_load(example_artifact, t
     def change(specs):
         specs["manifest"]["max_capacity"] = 512
 
-    path = rewrite_package(example_artifact, tmp_path / "wrong_manifest.pt2", edit_specs(change))
+    path = rewrite(example_artifact, tmp_path / "wrong_manifest.pt2", specs_edit(change))
     assert read_artifact_specs(path).manifest.max_capacity == 512
     with pytest.raises(ArtifactError, match="manifest in the archive disagrees"):
         Artifact.load(path)
@@ -202,7 +182,7 @@ def test_manifest_disagreeing_with_the_program_fails_to_load(example_artifact, t
 
 def test_rewritten_but_unchanged_package_still_loads(example_artifact, tmp_path):
     """Control for the tests above: the rewrite itself breaks nothing."""
-    path = rewrite_package(example_artifact, tmp_path / "same.pt2", lambda name, data: data)
+    path = rewrite(example_artifact, tmp_path / "same.pt2", lambda name, data: data)
     assert Artifact.load(path).specs == read_artifact_specs(example_artifact)
 
 
@@ -233,15 +213,15 @@ def _zip_not_pt2(tmp_path, good):
 
 
 def _no_specs_entry(tmp_path, good):
-    return rewrite_package(good, tmp_path / "nospecs.pt2", lambda n, d: None if n.endswith(SPECS_ENTRY) else d)
+    return rewrite(good, tmp_path / "nospecs.pt2", lambda n, d: None if n.endswith(SPECS_ENTRY) else d)
 
 
 def _corrupt_specs(tmp_path, good):
-    return rewrite_package(good, tmp_path / "badjson.pt2", lambda n, d: b"{not json" if n.endswith(SPECS_ENTRY) else d)
+    return rewrite(good, tmp_path / "badjson.pt2", lambda n, d: b"{not json" if n.endswith(SPECS_ENTRY) else d)
 
 
 def _invalid_specs(tmp_path, good):
-    return rewrite_package(good, tmp_path / "badwidth.pt2", edit_specs(lambda s: s.update(step_width="0:x")))
+    return rewrite(good, tmp_path / "badwidth.pt2", specs_edit(lambda s: s.update(step_width="0:x")))
 
 
 BROKEN_PACKAGES = [
@@ -275,14 +255,14 @@ def test_cli_inspect_broken_package_exits_2(make, message, example_artifact, tmp
 
 
 def test_cli_check_missing_package_exits_2(tmp_path):
-    proc = cli("check", str(tmp_path / "missing.pt2"), check=False)
+    proc = cli("check", str(tmp_path / "missing.pt2"), "--model", EXAMPLE, check=False)
     assert proc.returncode == 2
     assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_cli_check_truncated_package_exits_2(example_artifact, tmp_path):
     path = _truncated(tmp_path, example_artifact)
-    proc = cli("check", str(path), check=False)
+    proc = cli("check", str(path), "--model", EXAMPLE, check=False)
     assert proc.returncode == 2 and "not a readable .pt2 archive" in proc.stderr
 
 

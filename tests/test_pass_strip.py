@@ -39,9 +39,12 @@ def test_what_fired(gqa_stack):
     assert find_kv_sites(program.stripped.graph) == []
     fired = {name: result.modified for name, result in program.pass_results.items()}
     assert fired == {
-        "validate_kv_sites": False, "record_step_width": False, "build_manifest": False,
-        "strip_kv_cache": True, "functionalize": True,
+        "validate_kv_sites": False, "record_step_width": False, "record_positions": False,
+        "bound_table_indices": False,  # embeddings come in: no table lookup to bound
+        "build_manifest": False, "strip_kv_cache": True, "functionalize": True,
     }
+    assert program.pass_results["record_positions"].produced == 1
+    assert program.pass_results["bound_table_indices"].produced == {}
     assert program.pass_results["strip_kv_cache"].produced == [0, 1, 2]
     assert program.pass_results["build_manifest"].produced is program.manifest
     targets = [str(n.target) for n in program.stripped.graph.nodes if n.op == "call_function"]

@@ -90,11 +90,11 @@ def test_prepare_run_commit_is_step(loaded_example, example_bundle):
     a, b = loaded_example.new_session(), loaded_example.new_session()
     for start, chunk in chunks(tokens, [30, 10]):
         inputs = example_bundle.make_inputs(chunk, start)
-        width = a.prepare(inputs)
-        assert width == chunk.shape[1]
-        out_a = a.run(inputs, width)
+        prepared = a.prepare(inputs)
+        assert prepared.width == chunk.shape[1]
+        out_a = a.run(prepared)
         assert a.committed_length == start  # nothing committed yet
-        a.commit(width)
+        a.commit(prepared)
         out_b = b.step(*inputs)
         assert torch.equal(out_a[0], out_b[0])
     assert a.metrics() == b.metrics()
@@ -117,34 +117,38 @@ def test_strided_inputs_are_read_correctly(loaded_example, example_bundle):
     torch.testing.assert_close(got, oracle.step(tokens_for(3, 4)), atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize("bad_width", [3, 30], ids=["no-growth", "with-growth"])
-def test_failed_run_commits_nothing_and_next_step_proceeds(loaded_example, example_bundle, bad_width):
-    """A real failure inside the compiled program: a token id outside the vocabulary trips
-    inductor's index bounds check in the embedding."""
-    session = loaded_example.new_session()
-    oracle = Oracle(example_bundle, loaded_example.specs.manifest)
-    tokens = tokens_for(4, 20)
-    torch.testing.assert_close(
-        session.step(*example_bundle.make_inputs(tokens[:, :10], 0))[0], oracle.step(tokens[:, :10]),
-        atol=ATOL, rtol=RTOL,
-    )
-    bad = tokens_for(5, bad_width)
-    bad[0, bad_width // 2] = 999  # vocab is 256
+@pytest.mark.parametrize("bad_width", [2, 12], ids=["no-growth", "with-growth"])
+def test_failed_run_commits_nothing_and_next_step_proceeds(guarded, bad_width):
+    """A real failure inside the compiled program: a runtime assert the program carries (see
+    ``tiny_models.Guarded``) fails for this step's inputs."""
+    artifact, model, config = guarded
+    session = artifact.new_session()
+    ref = ReferenceCaches(config, [0, 1])
+    xs = torch.randn(1, 30, 32, generator=torch.Generator().manual_seed(bad_width))
+    ok, fail = torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
+
+    def eager(start, width):
+        with torch.no_grad(), ref.activate():
+            return model(xs[:, start : start + width], torch.arange(start, start + width), ok)
+
+    torch.testing.assert_close(session.step(xs[:, :6], torch.arange(6), ok)[0], eager(0, 6), atol=ATOL, rtol=RTOL)
     with pytest.raises(StepFailed, match="not advanced") as info:
-        session.step(*example_bundle.make_inputs(bad, 10))
-    assert "index out of bounds" in str(info.value)
+        session.step(xs[:, 6 : 6 + bad_width], torch.arange(6, 6 + bad_width), fail)
+    assert "Expected" in str(info.value)
     assert isinstance(info.value.__cause__, RuntimeError)  # the program's own error, chained
     m = session.metrics()
-    assert (m.committed_length, m.steps, m.failed_steps, m.refused_steps) == (10, 1, 1, 0)
+    assert (m.committed_length, m.steps, m.failed_steps, m.refused_steps) == (6, 1, 1, 0)
     # storage was prepared for the failed step (it may have grown), but nothing was committed
-    assert m.capacity == (16 if bad_width == 3 else 40)
+    assert m.capacity == (8 if bad_width == 2 else 18)
 
-    # the next good step continues at 10 as if the failure never happened
-    for start, chunk in chunks(tokens[:, 10:], [7, 1, 1, 1]):
-        (got,) = session.step(*example_bundle.make_inputs(chunk, 10 + start))
-        torch.testing.assert_close(got, oracle.step(chunk), atol=ATOL, rtol=RTOL)
+    # the next good steps continue at 6 as if the failure never happened
+    start = 6
+    for width in [7, 1, 1, 1]:
+        got = session.step(xs[:, start : start + width], torch.arange(start, start + width), ok)[0]
+        torch.testing.assert_close(got, eager(start, width), atol=ATOL, rtol=RTOL)
+        start += width
     m = session.metrics()
-    assert (m.committed_length, m.steps, m.failed_steps) == (20, 5, 1)
+    assert (m.committed_length, m.steps, m.failed_steps) == (16, 5, 1)
 
 
 def test_growth_failure_in_session_refuses_and_keeps_cache(loaded_example, example_bundle):
@@ -264,8 +268,8 @@ def test_session_metrics(loaded_example, example_bundle):
     tokens = tokens_for(11, 40)
     session.step(*example_bundle.make_inputs(tokens[:, :20], 0))  # -> 32
     bad = tokens[:, 20:22].clone()
-    bad[0, 0] = 300
-    with pytest.raises(StepFailed):
+    bad[0, 0] = 300  # outside the vocabulary: refused before launch
+    with pytest.raises(StepRefused):
         session.step(*example_bundle.make_inputs(bad, 20))
     with pytest.raises(StepRefused):
         session.step(tokens[:, 20:22])
@@ -273,7 +277,7 @@ def test_session_metrics(loaded_example, example_bundle):
     m = session.metrics()
     assert (m.committed_length, m.capacity, m.growth_count) == (40, 64, 2)
     assert m.allocated_bytes == expected_bytes(64) == session.storage.allocated_bytes()
-    assert (m.steps, m.failed_steps, m.refused_steps) == (2, 1, 1)
+    assert (m.steps, m.failed_steps, m.refused_steps) == (2, 0, 2)  # failures: the guarded test
 
 
 def test_closed_session_refuses_and_releases_storage(loaded_example, example_bundle):

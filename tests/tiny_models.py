@@ -132,3 +132,17 @@ def export(model: nn.Module, inputs: tuple, token_dims: tuple, max_width: int = 
     from offgraph_export.pipeline import export_model
 
     return export_model(model, inputs, token_dims, max_width)
+
+
+class Guarded(nn.Module):
+    """:class:`Stack` behind a runtime assert on a third input: a step with ``fail`` != 0 raises
+    inside the compiled program (export keeps ``torch._check`` on a data-dependent value as a
+    runtime assert), the one way to make a real compiled step fail on purpose."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = Stack(2)
+
+    def forward(self, x: torch.Tensor, position: torch.Tensor, fail: torch.Tensor) -> torch.Tensor:
+        torch._check(fail.max().item() == 0)
+        return self.body(x, position)

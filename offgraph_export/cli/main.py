@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import click
 
@@ -18,9 +20,8 @@ def _say(message: str) -> None:
     click.echo(message, err=True)
 
 
-def _fail(exc: Exception, code: int = 2) -> None:
-    _say(f"error: {exc}")
-    sys.exit(code)
+def _one_line(text: str) -> str:
+    return "; ".join(line.strip() for line in str(text).strip().splitlines() if line.strip())
 
 
 class _Pairs(click.ParamType):
@@ -28,14 +29,93 @@ class _Pairs(click.ParamType):
 
     def convert(self, value, param, ctx):
         layer, sep, window = str(value).partition("=")
-        if not sep or not layer.isdigit() or not window.isdigit():
-            self.fail(f"{value!r} must look like LAYER=WINDOW, e.g. 1=16", param, ctx)
+        if not sep or not layer.isdigit() or not window.isdigit() or int(window) < 1:
+            self.fail(f"{value!r} must look like LAYER=WINDOW with a positive window, e.g. 1=16", param, ctx)
         return int(layer), int(window)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+POSITIVE = click.IntRange(min=1)
+
+
+class _Cli(click.Group):
+    """One error path: every user error ends as one line ``error: ...`` on stderr and exit 2; a
+    traceback only with ``--debug`` (or ``OFFGRAPH_DEBUG=1``)."""
+
+    def main(self, args=None, prog_name=None, **kwargs):  # type: ignore[override]
+        argv = list(sys.argv[1:] if args is None else args)
+        debug = "--debug" in argv or os.environ.get("OFFGRAPH_DEBUG") == "1"
+        try:
+            code = super().main(args=argv, prog_name=prog_name, standalone_mode=False, **kwargs)
+        except click.exceptions.Exit as exc:
+            code = exc.exit_code
+        except click.Abort:
+            _say("error: aborted")
+            code = 1
+        except click.ClickException as exc:
+            if debug:
+                raise
+            _say(f"error: {_one_line(exc.format_message())}")
+            code = 2
+        except OffgraphError as exc:
+            if debug:
+                raise
+            _say(f"error: {_one_line(str(exc))}")
+            code = 2
+        except Exception as exc:  # a bug, or an error of a library we called: one line, then exit 2
+            if debug:
+                raise
+            _say(f"error: {type(exc).__name__}: {_one_line(str(exc))} (rerun with --debug for the traceback)")
+            code = 2
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+def _check_output(path: str, suffix: str) -> Path:
+    """Refuse an output path that cannot be written, before any work is done."""
+    target = Path(path)
+    if target.suffix != suffix:
+        raise click.BadParameter(f"{path!r} must end in {suffix}", param_hint="'-o'")
+    if target.is_dir():
+        raise click.BadParameter(f"{path!r} is a directory", param_hint="'-o'")
+    parent = target.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise click.BadParameter(f"cannot write {path!r}: {str(parent)!r} is not a writable directory", param_hint="'-o'")
+    return target
+
+
+def _check_device(device: str, step_impl: str | None) -> None:
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise click.BadParameter("cuda was asked for but no CUDA device is available", param_hint="'--device'")
+    if device == "cpu" and step_impl == "triton":
+        raise click.BadParameter(
+            "the triton step runs on cuda only; use --step-impl portable (the cpu default)",
+            param_hint="'--step-impl'",
+        )
+
+
+def _model_reference(artifact: str, specs, model: str | None, recorded: bool) -> str:
+    """The model the user named, or (``--recorded-model``) the one the artifact records, said
+    aloud: code named by an archive never runs implicitly."""
+    if model:
+        return model
+    if not recorded:
+        raise click.UsageError(
+            f"name the model to compare against with --model (for example --model {specs.model or 'FILE.py:FUNCTION'}), "
+            "or pass --recorded-model to import the one the artifact records"
+        )
+    if not specs.model:
+        raise OffgraphError(f"{artifact} records no model; pass --model")
+    _say(f"importing the model recorded in {artifact}: {specs.model} with arguments {specs.model_args}")
+    return specs.model
+
+
+@click.group(cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="offgraph-export")
-def cli() -> None:
+@click.option("--debug", is_flag=True, help="Show the full traceback of an error.")
+def cli(debug: bool) -> None:
     """Export LLM decoders whose KV cache lives off the graph.
 
     \b
@@ -43,6 +123,9 @@ def cli() -> None:
     inspect  show an artifact's specs, manifest and inputs without loading its code
     check    replay a session through the artifact and the eager model (CI lowering check)
     run      greedy generation from an artifact with a per-session cache
+
+    Loading an artifact (check, run) executes the native code it contains: only load artifacts
+    you trust.
     """
 
 
@@ -50,9 +133,9 @@ def cli() -> None:
 @click.argument("model_factory")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Path of the .pt2 to write.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option("--max-capacity", type=int, help="Hard bound of tokens per session (default: the factory's).")
-@click.option("--initial-capacity", type=int, help="Flat rows allocated when a session opens.")
-@click.option("--max-write", type=int, help="Most tokens one step may write (the compiled width range).")
+@click.option("--max-capacity", type=POSITIVE, help="Hard bound of tokens per session (default: the model's).")
+@click.option("--initial-capacity", type=POSITIVE, help="Flat rows allocated when a session opens.")
+@click.option("--max-write", type=POSITIVE, help="Most tokens one step may write (the compiled width range).")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), help="Cast the model and store the cache in this dtype.")
 @click.option("--ring", "rings", type=_Pairs(), multiple=True, help="Make LAYER a sliding-window layer: LAYER=WINDOW (repeatable).")
 @click.option("--all-flat", is_flag=True, help="Ignore the factory's ring layers: every layer keeps all history.")
@@ -66,22 +149,21 @@ def export(model_factory, output, device, max_capacity, initial_capacity, max_wr
     from offgraph_export.models import cast_bundle
     from offgraph_export.pipeline import export_and_lower
 
-    try:
-        args = parse_factory_args(factory_args)
-        _say(f"building {model_factory}")
-        bundle = cast_bundle(load_bundle(model_factory, **args), dtype)
-        config = bundle.cache_config.with_overrides(
-            max_capacity=max_capacity, initial_capacity=initial_capacity, max_write=max_write,
-            rings=rings, all_flat=all_flat,
-        )
-        started = time.perf_counter()
-        path, program, timings = export_and_lower(
-            replace(bundle, cache_config=config), output, device=device, step_impl=step_impl,
-            progress=lambda m: _say(f"[{time.perf_counter() - started:6.1f}s] {m}"),
-            model=canonical_reference(model_factory), model_args=args, model_dtype=dtype,
-        )
-    except OffgraphError as exc:
-        _fail(exc)
+    _check_output(output, ".pt2")
+    _check_device(device, step_impl)
+    args = parse_factory_args(factory_args)
+    _say(f"building {model_factory}")
+    bundle = cast_bundle(load_bundle(model_factory, **args), dtype)
+    config = bundle.cache_config.with_overrides(
+        max_capacity=max_capacity, initial_capacity=initial_capacity, max_write=max_write,
+        rings=rings, all_flat=all_flat,
+    )
+    started = time.perf_counter()
+    path, program, timings = export_and_lower(
+        replace(bundle, cache_config=config), output, device=device, step_impl=step_impl,
+        progress=lambda m: _say(f"[{time.perf_counter() - started:6.1f}s] {m}"),
+        model=canonical_reference(model_factory), model_args=args, model_dtype=dtype,
+    )
     size = path.stat().st_size
     summary = {
         "artifact": str(path), "device": device, "step_impl": program.step_impl,
@@ -105,11 +187,8 @@ def inspect(artifact, as_json):
     """Show ARTIFACT's step width, manifest and inputs (reads the archive; loads no code)."""
     from offgraph_export.specs.artifact import archive_entries, read_artifact_specs
 
-    try:
-        specs = read_artifact_specs(artifact)
-        entries = archive_entries(artifact)
-    except OffgraphError as exc:
-        _fail(exc)
+    specs = read_artifact_specs(artifact)
+    entries = archive_entries(artifact)
     if as_json:
         data = specs.model_dump(mode="json")
         data["archive"] = [{"name": n, "bytes": b} for n, b in entries]
@@ -149,14 +228,15 @@ def inspect(artifact, as_json):
 
 @cli.command()
 @click.argument("artifact", type=click.Path(dir_okay=False))
-@click.option("--model", "model_factory", help="Model factory of the eager oracle (default: the one recorded at export).")
-@click.option("--steps", default=16, show_default=True, help="Decode steps after the prefill.")
-@click.option("--prefill-chunks", default=3, show_default=True, help="Chunks the prefill is split into.")
-@click.option("--seed", default=0, show_default=True)
-@click.option("-a", "--arg", "factory_args", multiple=True, metavar="NAME=VALUE", help="Factory argument (default: those recorded at export).")
+@click.option("--model", "model_factory", metavar="REF", help="The model of the eager oracle: hf:DIR, FILE.py:FUNCTION or package.module:FUNCTION.")
+@click.option("--recorded-model", is_flag=True, help="Import the model the artifact records instead (says what it imports).")
+@click.option("--steps", default=16, show_default=True, type=POSITIVE, help="Decode steps after the prefill.")
+@click.option("--prefill-chunks", default=3, show_default=True, type=POSITIVE, help="Chunks the prefill is split into.")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option("-a", "--arg", "factory_args", multiple=True, metavar="NAME=VALUE", help="Model argument (default: those recorded at export).")
 @click.option("--cuda-graphs", is_flag=True, help="Replay decode steps as CUDA graphs (cuda artifacts).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def check(artifact, model_factory, steps, prefill_chunks, seed, factory_args, cuda_graphs, as_json):
+def check(artifact, model_factory, recorded_model, steps, prefill_chunks, seed, factory_args, cuda_graphs, as_json):
     """Check ARTIFACT's compiled steps against its spec and the eager model.
 
     Exits 0 when every step matches, 1 when any check fails, 2 when the check cannot run."""
@@ -166,19 +246,16 @@ def check(artifact, model_factory, steps, prefill_chunks, seed, factory_args, cu
     from offgraph_export.models import cast_bundle
     from offgraph_export.specs.artifact import read_artifact_specs
 
-    try:
-        specs = read_artifact_specs(artifact)
-        factory = model_factory or specs.model
-        if not factory:
-            raise OffgraphError(f"{artifact} records no model factory; pass --model FILE.py:FUNCTION")
-        args = parse_factory_args(factory_args) if factory_args else dict(specs.model_args)
-        bundle = cast_bundle(load_bundle(factory, **args), specs.model_dtype)
-        _say(f"checking {artifact} against {factory} on {specs.device}")
-        report = check_artifact(artifact, bundle, decode_steps=steps, prefill_chunks=prefill_chunks, seed=seed,
-                                cuda_graphs=cuda_graphs)
-        report.model = factory
-    except OffgraphError as exc:
-        _fail(exc)
+    specs = read_artifact_specs(artifact)
+    if cuda_graphs and specs.device != "cuda":
+        raise click.BadParameter("CUDA graphs need a cuda artifact", param_hint="'--cuda-graphs'")
+    factory = _model_reference(artifact, specs, model_factory, recorded_model)
+    args = parse_factory_args(factory_args) if factory_args else dict(specs.model_args)
+    bundle = cast_bundle(load_bundle(factory, **args), specs.model_dtype)
+    _say(f"checking {artifact} against {factory} on {specs.device}")
+    report = check_artifact(artifact, bundle, decode_steps=steps, prefill_chunks=prefill_chunks, seed=seed,
+                            cuda_graphs=cuda_graphs)
+    report.model = factory
     click.echo(report.model_dump_json(indent=2) if as_json else report.render())
     sys.exit(0 if report.passed else 1)
 
@@ -187,39 +264,39 @@ def check(artifact, model_factory, steps, prefill_chunks, seed, factory_args, cu
 @click.argument("artifact", type=click.Path(dir_okay=False))
 @click.option("--prompt", help="Text prompt (encoded by the model factory's tokenizer).")
 @click.option("--tokens", help="Comma-separated token ids instead of a prompt.")
-@click.option("--max-new-tokens", default=32, show_default=True)
-@click.option("--model", "model_factory", help="Model factory for the tokenizer and input builder (default: recorded).")
+@click.option("--max-new-tokens", default=32, show_default=True, type=POSITIVE)
+@click.option("--model", "model_factory", metavar="REF", help="The model whose tokenizer and input builder to use: hf:DIR, FILE.py:FUNCTION or package.module:FUNCTION.")
+@click.option("--recorded-model", is_flag=True, help="Import the model the artifact records instead (says what it imports).")
 @click.option("--cuda-graphs", is_flag=True, help="Replay decode steps as CUDA graphs (cuda artifacts).")
 @click.option("--json", "as_json", is_flag=True, help="Print tokens, text and metrics as JSON.")
-def run(artifact, prompt, tokens, max_new_tokens, model_factory, cuda_graphs, as_json):
+def run(artifact, prompt, tokens, max_new_tokens, model_factory, recorded_model, cuda_graphs, as_json):
     """Greedy generation from ARTIFACT with a session-owned cache."""
-    from offgraph_export.generate import generate
     from offgraph_export.frontends import load_bundle
+    from offgraph_export.generate import generate
     from offgraph_export.runtime.artifact import Artifact
+    from offgraph_export.specs.artifact import read_artifact_specs
 
     if (prompt is None) == (tokens is None):
-        _fail(OffgraphError("give exactly one of --prompt or --tokens"))
-    try:
-        loaded = Artifact.load(artifact, single_threaded=cuda_graphs)
-        specs = loaded.specs
-        factory = model_factory or specs.model
-        if not factory:
-            raise OffgraphError(f"{artifact} records no model factory; pass --model FILE.py:FUNCTION")
-        bundle = load_bundle(factory, **specs.model_args)
-        if prompt is not None:
-            if bundle.encode is None:
-                raise OffgraphError(f"{factory} has no tokenizer; use --tokens")
-            ids = bundle.encode(prompt)
-        else:
-            try:
-                ids = [int(t) for t in tokens.split(",") if t.strip()]
-            except ValueError:
-                raise OffgraphError(f"--tokens {tokens!r} must be comma-separated integers") from None
-        session = loaded.new_session(cuda_graphs=cuda_graphs)
-        with click.progressbar(length=max_new_tokens, label="generating", file=sys.stderr) as bar:
-            result = generate(session, bundle.make_inputs, ids, max_new_tokens, on_token=lambda _: bar.update(1))
-    except OffgraphError as exc:
-        _fail(exc)
+        raise click.UsageError("give exactly one of --prompt or --tokens")
+    ids: list[int] = []
+    if tokens is not None:
+        try:
+            ids = [int(t) for t in tokens.split(",") if t.strip()]
+        except ValueError:
+            raise click.BadParameter(f"{tokens!r} must be comma-separated integers", param_hint="'--tokens'") from None
+    specs = read_artifact_specs(artifact)
+    if cuda_graphs and specs.device != "cuda":
+        raise click.BadParameter("CUDA graphs need a cuda artifact", param_hint="'--cuda-graphs'")
+    factory = _model_reference(artifact, specs, model_factory, recorded_model)
+    bundle = load_bundle(factory, **specs.model_args)
+    if prompt is not None:
+        if bundle.encode is None:
+            raise OffgraphError(f"{factory} has no tokenizer; use --tokens")
+        ids = bundle.encode(prompt)
+    loaded = Artifact.load(artifact, single_threaded=cuda_graphs)
+    session = loaded.new_session(cuda_graphs=cuda_graphs)
+    with click.progressbar(length=max_new_tokens, label="generating", file=sys.stderr) as bar:
+        result = generate(session, bundle.make_inputs, ids, max_new_tokens, on_token=lambda _: bar.update(1))
     text = bundle.decode(result.new_tokens) if bundle.decode else None
     metrics = session.metrics()
     if as_json:

@@ -11,8 +11,10 @@ Importing this package imports neither transformers nor any user code.
 
 from __future__ import annotations
 
+import inspect
 import os
 
+from offgraph_export.errors import OffgraphError
 from offgraph_export.models import ModelBundle
 
 __all__ = ["HF_PREFIX", "load_bundle", "canonical_reference"]
@@ -25,10 +27,20 @@ def load_bundle(reference: str, **kwargs: object) -> ModelBundle:
     if reference.startswith(HF_PREFIX):
         from offgraph_export.frontends.hf import load_hf_bundle
 
+        try:
+            inspect.signature(load_hf_bundle).bind(reference[len(HF_PREFIX) :], **kwargs)
+        except TypeError as exc:
+            raise OffgraphError(f"{reference}: {exc} (hf: takes {_hf_options()})") from None
         return load_hf_bundle(reference[len(HF_PREFIX) :], **kwargs)  # type: ignore[arg-type]
     from offgraph_export.frontends.factory import load_factory_bundle
 
     return load_factory_bundle(reference, **kwargs)
+
+
+def _hf_options() -> str:
+    from offgraph_export.frontends.hf import load_hf_bundle
+
+    return ", ".join(list(inspect.signature(load_hf_bundle).parameters)[1:])
 
 
 def canonical_reference(reference: str) -> str:

@@ -4,10 +4,12 @@ returns a :class:`~offgraph_export.models.ModelBundle`, written against the neut
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
 import importlib.util
+import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from offgraph_export.errors import OffgraphError
@@ -33,12 +35,11 @@ def resolve_factory(spec: str) -> Callable[..., ModelBundle]:
             raise OffgraphError(f"model factory file {str(path)!r} cannot be loaded as a module")
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[name] = module
-        module_spec.loader.exec_module(module)
+        with _user_code(f"model factory file {str(path)!r}"):
+            module_spec.loader.exec_module(module)
     else:
-        try:
+        with _user_code(f"model module {module_part!r}"):
             module = importlib.import_module(module_part)
-        except ImportError as exc:
-            raise OffgraphError(f"cannot import model module {module_part!r}: {exc}") from exc
     factory = getattr(module, func_name, None)
     if not callable(factory):
         raise OffgraphError(f"{module_part!r} has no callable {func_name!r}")
@@ -59,8 +60,33 @@ def parse_factory_args(pairs: list[str] | tuple[str, ...]) -> dict[str, object]:
     return out
 
 
+@contextlib.contextmanager
+def _user_code(what: str) -> Iterator[None]:
+    """Run user code; anything it raises, or an exit it asks for, becomes one
+    :class:`OffgraphError` naming ``what`` (the original exception is chained)."""
+    try:
+        yield
+    except OffgraphError:
+        raise
+    except SystemExit as exc:
+        raise OffgraphError(f"{what} called exit({exc.code!r}) instead of returning") from exc
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        text = str(exc).strip().splitlines()
+        raise OffgraphError(f"{what} raised {type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")) from exc
+
+
 def load_factory_bundle(spec: str, **kwargs) -> ModelBundle:
-    bundle = resolve_factory(spec)(**kwargs)
+    factory = resolve_factory(spec)
+    try:
+        inspect.signature(factory).bind(**kwargs)
+    except TypeError as exc:
+        raise OffgraphError(f"model factory {spec!r} does not take these arguments: {exc}") from None
+    except ValueError:  # no signature to check (a builtin): let the call tell
+        pass
+    with _user_code(f"model factory {spec!r}"):
+        bundle = factory(**kwargs)
     if not isinstance(bundle, ModelBundle):
         raise OffgraphError(
             f"model factory {spec!r} returned {type(bundle).__name__}; expected a ModelBundle"

@@ -410,6 +410,10 @@ def load_hf_bundle(
     """The bundle of ``hf:DIR``. The cache defaults to the model's context length (at most 8192
     tokens), 64 tokens up front and up to 128 tokens a step; every layer the model runs with a
     sliding window becomes a ring of that window."""
+    for name, value in dict(seed=seed, max_capacity=max_capacity, initial_capacity=initial_capacity,
+                            max_write=max_write, batch_size=batch_size).items():
+        if value is not None and (type(value) is not int or (value < 1 and name != "seed")):
+            raise ExportError(f"hf:{directory}: {name} must be a positive integer, got {value!r}")
     checkpoint = load_hf_model(directory, dtype, seed)
     model = checkpoint.model
     wrapped, windows = wrap_model(model, f"hf:{directory}")

@@ -12,11 +12,10 @@ import os
 import tempfile
 from pathlib import Path
 
-import torch
 from torch.export import ExportedProgram
 
 from offgraph_export.errors import ExportError
-from offgraph_export.specs.artifact import ArtifactSpecs, write_artifact_specs
+from offgraph_export.specs.artifact import PROGRAM_KEY, ArtifactSpecs, write_artifact_specs
 from offgraph_export.specs.manifest import MANIFEST_KEY
 from offgraph_export.specs.step_width import STEP_WIDTH_KEY
 
@@ -24,7 +23,11 @@ __all__ = ["compile_package", "aoti_metadata"]
 
 
 def aoti_metadata(specs: ArtifactSpecs) -> dict[str, str]:
-    return {STEP_WIDTH_KEY: specs.step_width.format(), MANIFEST_KEY: specs.manifest.to_json()}
+    return {
+        STEP_WIDTH_KEY: specs.step_width.format(),
+        MANIFEST_KEY: specs.manifest.to_json(),
+        PROGRAM_KEY: specs.program_description(),
+    }
 
 
 def compile_package(ep: ExportedProgram, path: str | os.PathLike, specs: ArtifactSpecs) -> Path:

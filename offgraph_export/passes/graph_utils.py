@@ -64,14 +64,13 @@ def input_dynamic_shapes(ep: ExportedProgram) -> list[dict[int, object]]:
 
 
 def describe_inputs(
-    ep: ExportedProgram, count: int, width_symbol: str
+    ep: ExportedProgram, count: int, index_bounds: dict[int, int] | None = None
 ) -> tuple[list[InputSpec], dict[str, SymbolRange]]:
     """The first ``count`` user inputs as :class:`InputSpec` (static sizes as ints, dynamic ones
-    as symbol names) and the range of every symbol they use. Export raises a dynamic dim's lower
-    bound to 2 (0/1 specialization); the token width's is put back to 1, since the compiled code
-    is shape-generic and a step of one token is valid."""
+    as symbol names, ``index_bounds`` by input index) and the range of every symbol they use."""
+    bounds = index_bounds or {}
     inputs, symbols = [], {}
-    for node in user_input_nodes(ep)[:count]:
+    for i, node in enumerate(user_input_nodes(ep)[:count]):
         value = node.meta["val"]
         shape: list[int | str] = []
         for size in value.shape:
@@ -80,9 +79,12 @@ def describe_inputs(
                 continue
             expr = size.node.expr
             lo, hi = symbol_range(ep, expr)
-            symbols[str(expr)] = SymbolRange(min=1 if str(expr) == width_symbol else lo, max=hi)
+            symbols[str(expr)] = SymbolRange(min=lo, max=hi)
             shape.append(str(expr))
         inputs.append(
-            InputSpec(name=node.name, dtype=str(value.dtype).removeprefix("torch."), shape=shape)
+            InputSpec(
+                name=node.name, dtype=str(value.dtype).removeprefix("torch."), shape=shape,  # type: ignore[arg-type]
+                index_bound=bounds.get(i),
+            )
         )
     return inputs, symbols

@@ -1,5 +1,9 @@
-"""Load a ``.pt2`` artifact: specs first (from the archive, no code), then the compiled program,
-then cross-check the two before any step runs."""
+"""Load a ``.pt2`` artifact: the archive's entries first (names, links, checksums: nothing is
+extracted from a bad archive), then its specs (no code), then the compiled program, then
+cross-check the two before any step runs.
+
+Loading a compiled package runs native code: load only artifacts you trust. These checks refuse
+corrupt, inconsistent or path-traversing archives; they cannot make a malicious library safe."""
 
 from __future__ import annotations
 
@@ -9,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from offgraph_export.errors import ArtifactError
-from offgraph_export.specs.artifact import ArtifactSpecs, read_artifact_specs
+from offgraph_export.errors import ArtifactError, SpecError
+from offgraph_export.specs.artifact import PROGRAM_KEY, ArtifactSpecs, read_artifact_specs
 from offgraph_export.specs.manifest import MANIFEST_KEY, parse_manifest
 from offgraph_export.specs.step_width import STEP_WIDTH_KEY, parse_step_width
 
@@ -37,7 +41,7 @@ class Artifact:
     def load(cls, path: str | os.PathLike, single_threaded: bool = False) -> "Artifact":
         """``single_threaded=True`` loads for CUDA graph capture."""
         path = Path(path)
-        specs = read_artifact_specs(path)
+        specs = read_artifact_specs(path, verify_crc=True)
         if specs.device == "cuda" and not torch.cuda.is_available():
             raise ArtifactError(f"{path} was compiled for cuda but no CUDA device is available")
         try:
@@ -52,15 +56,28 @@ class Artifact:
     @staticmethod
     def _cross_check(path: Path, specs: ArtifactSpecs, compiled: object) -> None:
         metadata = compiled.get_metadata()  # type: ignore[attr-defined]
-        if STEP_WIDTH_KEY not in metadata or MANIFEST_KEY not in metadata:
-            raise ArtifactError(f"{path}: compiled program carries no offgraph specs in its metadata")
-        if parse_step_width(metadata[STEP_WIDTH_KEY]) != specs.step_width:
+        missing = [k for k in (STEP_WIDTH_KEY, MANIFEST_KEY, PROGRAM_KEY) if k not in metadata]
+        if missing:
+            raise ArtifactError(
+                f"{path}: the compiled program's metadata lacks {missing}; re-export it with this "
+                "version of offgraph-export"
+            )
+        try:
+            width, manifest = parse_step_width(metadata[STEP_WIDTH_KEY]), parse_manifest(metadata[MANIFEST_KEY])
+        except SpecError as exc:
+            raise ArtifactError(f"{path}: the compiled program's own specs are invalid: {exc}") from exc
+        if width != specs.step_width:
             raise ArtifactError(
                 f"{path}: step width in the archive ({specs.step_width.format()!r}) disagrees with the "
                 f"compiled program's ({metadata[STEP_WIDTH_KEY]!r})"
             )
-        if parse_manifest(metadata[MANIFEST_KEY]) != specs.manifest:
+        if manifest != specs.manifest:
             raise ArtifactError(f"{path}: manifest in the archive disagrees with the compiled program's")
+        if metadata[PROGRAM_KEY] != specs.program_description():
+            raise ArtifactError(
+                f"{path}: the inputs the archive's specs describe (dtypes, dynamic dims, ranges, "
+                "positions) disagree with the compiled program's own"
+            )
         in_spec, _ = compiled.loader.get_call_spec()  # type: ignore[attr-defined]
         n_inputs = torch.utils._pytree.treespec_loads(in_spec).num_leaves
         want = len(specs.inputs) + 2 * len(specs.manifest.layers)

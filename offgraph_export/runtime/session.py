@@ -1,7 +1,8 @@
 """A session: one user's cache over a shared loaded program.
 
 Each step is prepare -> run -> commit:
-  1. prepare: read the width from the spec (shapes only), admit or refuse, grow storage if needed;
+  1. prepare: read the width from the spec (shapes only), admit or refuse, check or make the
+     positions and check table indices (``input_values``), grow storage if needed;
   2. run: the compiled program on the model inputs followed by this session's storage;
   3. commit: advance the committed length by the width, only if the run returned normally.
 A failed run leaves the length where it was; rows it may have written lie beyond the committed
@@ -11,6 +12,7 @@ length, are masked by the next step's positions and overwritten by it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from pydantic import BaseModel
@@ -18,9 +20,10 @@ from pydantic import BaseModel
 from offgraph_export.errors import StepFailed, StepRefused
 from offgraph_export.runtime.admission import admit_step
 from offgraph_export.runtime.artifact import Artifact
+from offgraph_export.runtime.input_values import InputValues
 from offgraph_export.runtime.storage import Allocator, SessionStorage, default_allocator
 
-__all__ = ["Session", "SessionMetrics"]
+__all__ = ["PreparedStep", "Session", "SessionMetrics"]
 
 
 def _first_line(exc: BaseException) -> str:
@@ -35,6 +38,15 @@ def _dense(x: torch.Tensor) -> torch.Tensor:
     if x.is_contiguous() and x.data_ptr() % 16 == 0:
         return x
     return x.clone(memory_format=torch.contiguous_format)
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    """An admitted step: its width and the inputs the program runs on (dense, positions owned
+    by the runtime)."""
+
+    width: int
+    inputs: list[torch.Tensor]
 
 
 class SessionMetrics(BaseModel):
@@ -60,6 +72,7 @@ class Session:
         self.artifact = artifact
         self.specs = artifact.specs
         self.storage = SessionStorage(self.specs.manifest, artifact.device, allocator, poison)
+        self._values = InputValues(self.specs, artifact.device)
         self.committed_length = 0
         self.closed = False
         self._steps = self._failed = self._refused = 0
@@ -70,13 +83,14 @@ class Session:
             self._graphs = DecodeGraphs(self)
 
     # -- the step -------------------------------------------------------------------------------
-    def prepare(self, inputs: Sequence[torch.Tensor]) -> int:
-        """Admit the step and grow storage for it; returns the width. Changes nothing on refusal."""
+    def prepare(self, inputs: Sequence[torch.Tensor]) -> PreparedStep:
+        """Admit the step and grow storage for it. Changes nothing on refusal."""
         if self.closed:
             self._refused += 1
             raise StepRefused("this session is closed; open a new one with artifact.new_session()")
         try:
             width = admit_step(self.specs, inputs, self.committed_length)
+            owned = self._values.apply(inputs, width, self.committed_length)
         except StepRefused:
             self._refused += 1
             raise
@@ -87,31 +101,30 @@ class Session:
             raise StepRefused(
                 f"could not grow storage to {self.committed_length + width} tokens (cache unchanged): {exc}"
             ) from exc
-        return width
+        return PreparedStep(width, [_dense(x) for x in owned])
 
-    def run(self, inputs: Sequence[torch.Tensor], width: int) -> list[torch.Tensor]:
+    def run(self, step: PreparedStep) -> list[torch.Tensor]:
         """Launch the compiled program on prepared storage (no commit)."""
-        inputs = [_dense(x) for x in inputs]
-        if self._graphs is not None and self._graphs.accepts(width):
-            return self._graphs.run(inputs)
-        return self.artifact.run([*inputs, *self.storage.bound()])
+        if self._graphs is not None and self._graphs.accepts(step.width):
+            return self._graphs.run(step.inputs)
+        return self.artifact.run([*step.inputs, *self.storage.bound()])
 
-    def commit(self, width: int) -> None:
-        self.committed_length += width
+    def commit(self, step: PreparedStep) -> None:
+        self.committed_length += step.width
         self._steps += 1
 
     def step(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
         """prepare -> run -> commit. Returns the program's outputs."""
-        width = self.prepare(inputs)
+        prepared = self.prepare(inputs)
         try:
-            outputs = self.run(inputs, width)
+            outputs = self.run(prepared)
         except Exception as exc:  # the compiled program's C++ errors surface as RuntimeError
             self._failed += 1
             raise StepFailed(
-                f"compiled step of {width} tokens at length {self.committed_length} failed; the cache was not "
-                f"advanced: {_first_line(exc)}"
+                f"compiled step of {prepared.width} tokens at length {self.committed_length} failed; "
+                f"the cache was not advanced: {_first_line(exc)}"
             ) from exc
-        self.commit(width)
+        self.commit(prepared)
         return outputs
 
     # -- lifecycle ------------------------------------------------------------------------------

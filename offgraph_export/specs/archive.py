@@ -45,8 +45,8 @@ def _check_name(name: str, source: str) -> None:
 
 def _is_special(info: zipfile.ZipInfo) -> bool:
     """A symbolic link or another non-regular file (the Unix mode in the high external bits)."""
-    mode = info.external_attr >> 16
-    return bool(mode) and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+    kind = stat.S_IFMT(info.external_attr >> 16)  # 0 when the archiver recorded no type
+    return kind not in (0, stat.S_IFREG, stat.S_IFDIR)
 
 
 def archive_root(names: list[str], source: str) -> str:

@@ -1,9 +1,12 @@
 """What an artifact carries besides compiled code: both compile specs plus a description of the
-program's inputs, stored as one JSON entry in the ``.pt2`` archive so it can be read (by
-``inspect``, by the runtime before loading) without loading the compiled code."""
+program's inputs (which one carries the positions, which index a table and up to what bound),
+stored as one JSON entry in the ``.pt2`` archive so it can be read (by ``inspect``, by the runtime
+before loading) without loading the compiled code. The same description is compiled into the
+program's own metadata (:data:`PROGRAM_KEY`), and a loader refuses specs that disagree with it."""
 
 from __future__ import annotations
 
+import json
 import os
 import zipfile
 from typing import Literal
@@ -19,13 +22,16 @@ from pydantic import (
 )
 
 from offgraph_export.errors import ArtifactError, SpecError
-from offgraph_export.specs.limits import loads_limited
+from offgraph_export.specs.archive import archive_root, check_archive
+from offgraph_export.specs.limits import MAX_JSON_BYTES, loads_limited
 from offgraph_export.specs.manifest import CacheManifest
 from offgraph_export.specs.step_width import StepWidthSpec, parse_step_width
 
 __all__ = [
     "ARTIFACT_SPECS_VERSION",
+    "PROGRAM_KEY",
     "SPECS_ENTRY",
+    "TENSOR_DTYPES",
     "InputSpec",
     "SymbolRange",
     "ArtifactSpecs",
@@ -36,24 +42,52 @@ __all__ = [
 ]
 
 ARTIFACT_SPECS_VERSION = 1
+#: AOTI metadata key of the program description (:meth:`ArtifactSpecs.program_description`).
+PROGRAM_KEY = "offgraph_program"
+
+TENSOR_DTYPES = (
+    "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool",
+)
+TensorDtype = Literal[
+    "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"
+]
 
 
 class InputSpec(BaseModel):
     """One model input: ``shape`` entries are ints (static) or symbol names (dynamic, shared by
-    inputs whose extents must agree), with the symbol's range in ``ArtifactSpecs.symbols``."""
+    inputs whose extents must agree), with the symbol's range in ``ArtifactSpecs.symbols``.
+    ``index_bound``: the input indexes a table of that many rows, so its values must lie in
+    ``[0, index_bound)``."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    name: str
-    dtype: str
+    name: str = Field(min_length=1)
+    dtype: TensorDtype
     shape: list[int | str]
+    index_bound: int | None = Field(default=None, ge=1)
+
+    @field_validator("shape")
+    @classmethod
+    def _sizes(cls, shape: list[int | str]) -> list[int | str]:
+        for size in shape:
+            if isinstance(size, int) and size < 0:
+                raise ValueError(f"a static size must be >= 0, got {size}")
+            if isinstance(size, str) and not size:
+                raise ValueError("a dynamic size needs a symbol name")
+        return shape
 
 
 class SymbolRange(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    min: int
+    min: int = Field(ge=0)
     max: int | None
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "SymbolRange":
+        if self.max is not None and self.max < self.min:
+            raise ValueError(f"range [{self.min}, {self.max}] is empty (min > max)")
+        return self
 
 
 class ArtifactSpecs(BaseModel):
@@ -71,6 +105,8 @@ class ArtifactSpecs(BaseModel):
     model: str = ""
     model_args: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
     model_dtype: str | None = None
+    #: the input carrying the step's absolute positions (None: computed inside the program)
+    positions_input: int | None = Field(default=None, ge=0)
 
     @field_validator("step_width", mode="before")
     @classmethod
@@ -105,7 +141,36 @@ class ArtifactSpecs(BaseModel):
                 "the dynamic token dimension"
             )
         self.manifest.check_follows(n)
+        width_range = self.symbols.get(extent)
+        if width_range is None:
+            raise ValueError(f"the token width symbol {extent!r} has no range in symbols")
+        if width_range.min < 1 or width_range.max is None or width_range.max > self.manifest.max_write:
+            raise ValueError(
+                f"the token width range [{width_range.min}, {width_range.max}] must lie in "
+                f"[1, max_write={self.manifest.max_write}]"
+            )
+        for inp in self.inputs:
+            for size in inp.shape:
+                if isinstance(size, str) and size not in self.symbols:
+                    raise ValueError(f"input {inp.name!r} uses the symbol {size!r}, which has no range")
+        if self.positions_input is not None:
+            if self.positions_input >= n:
+                raise ValueError(f"positions_input {self.positions_input} is not one of the {n} inputs")
+            positions = self.inputs[self.positions_input]
+            if positions.dtype != "int64" or extent not in positions.shape:
+                raise ValueError(
+                    f"positions input {positions.name!r} must be int64 with the token width "
+                    f"{extent!r} among its dims, got {positions.dtype} {positions.shape}"
+                )
         return self
+
+    def program_description(self) -> str:
+        """What the compiled program must agree with, as canonical JSON: the inputs, their
+        symbols and ranges, the step width and the positions input."""
+        return json.dumps(
+            self.model_dump(mode="json", include={"inputs", "symbols", "step_width", "positions_input"}),
+            sort_keys=True, separators=(",", ":"),
+        )
 
     @property
     def width_symbol(self) -> str:
@@ -124,37 +189,35 @@ def parse_artifact_specs(text: str | bytes, source: str = "artifact") -> Artifac
 SPECS_ENTRY = "extra/offgraph_specs.json"
 
 
-def _archive_root(names: list[str], source: str) -> str:
-    for name in names:
-        if name.endswith("/archive_format") or name == "archive_format":
-            return name[: -len("archive_format")]
-    raise ArtifactError(f"{source} is not a PT2 archive (no archive_format entry)")
-
-
-def read_artifact_specs(path: str | os.PathLike) -> ArtifactSpecs:
-    """Read the specs of a ``.pt2`` package from its archive, without loading compiled code."""
+def read_artifact_specs(path: str | os.PathLike, verify_crc: bool = False) -> ArtifactSpecs:
+    """Read the specs of a ``.pt2`` package from its archive, without loading compiled code. The
+    archive's entries are checked first (:func:`~offgraph_export.specs.archive.check_archive`;
+    ``verify_crc`` also reads every member to verify its checksum)."""
     source = str(path)
-    if not os.path.isfile(path):
-        raise ArtifactError(f"artifact {source!r} does not exist")
+    infos = {info.filename: info for info in check_archive(path, verify_crc=verify_crc)}
+    entry = archive_root(list(infos), source) + SPECS_ENTRY
+    if entry not in infos:
+        raise ArtifactError(
+            f"{source} has no offgraph specs ({SPECS_ENTRY}); was it built by "
+            "`offgraph-export export`?"
+        )
+    if infos[entry].file_size > MAX_JSON_BYTES:
+        raise ArtifactError(
+            f"{source}: {SPECS_ENTRY} is {infos[entry].file_size} bytes; more than the "
+            f"{MAX_JSON_BYTES} a spec may hold"
+        )
     try:
         with zipfile.ZipFile(path) as archive:
-            names = archive.namelist()
-            entry = _archive_root(names, source) + SPECS_ENTRY
-            if entry not in names:
-                raise ArtifactError(
-                    f"{source} has no offgraph specs ({SPECS_ENTRY}); was it built by "
-                    "`offgraph-export export`?"
-                )
             text = archive.read(entry)
-    except zipfile.BadZipFile as exc:
-        raise ArtifactError(f"{source} is not a readable .pt2 archive: {exc}") from exc
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise ArtifactError(f"{source}: cannot read {SPECS_ENTRY}: {exc}") from exc
     return parse_artifact_specs(text, source)
 
 
 def write_artifact_specs(path: str | os.PathLike, specs: ArtifactSpecs) -> None:
     """Add the specs entry to an existing ``.pt2`` archive."""
     with zipfile.ZipFile(path, "a") as archive:
-        entry = _archive_root(archive.namelist(), str(path)) + SPECS_ENTRY
+        entry = archive_root(archive.namelist(), str(path)) + SPECS_ENTRY
         archive.writestr(entry, specs.model_dump_json(indent=2))
 
 

@@ -24,7 +24,6 @@ This module is also the one place that defines the storage rules every other mod
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal, TypeVar
 
 from pydantic import (

@@ -1,0 +1,275 @@
+"""Hostile and inconsistent archives: each is refused with an error naming what is wrong, before
+anything is extracted or loaded; nothing is written outside a temp folder; no code an archive names
+is imported or run."""
+
+from __future__ import annotations
+
+import os
+import stat
+import struct
+import tempfile
+import uuid
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from offgraph_export.errors import ArtifactError
+from offgraph_export.runtime import Artifact
+from offgraph_export.specs.artifact import SPECS_ENTRY, read_artifact_specs
+from tests.archive_tools import rewrite, specs_edit
+from tests.conftest import EXAMPLE, cli
+
+
+def root_of(path: Path) -> str:
+    with zipfile.ZipFile(path) as z:
+        return next(n for n in z.namelist() if n.endswith("archive_format"))[: -len("archive_format")]
+
+
+def flip_byte_in(path: Path, dst: Path, suffix: str) -> Path:
+    """Flip one byte inside the stored data of the first member ending in ``suffix``, leaving the
+    archive's directory (and so the recorded CRC) as it was."""
+    data = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith(suffix))
+    assert info.compress_type == zipfile.ZIP_STORED
+    name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26 : info.header_offset + 30])
+    start = info.header_offset + 30 + name_len + extra_len
+    data[start + info.file_size // 2] ^= 0x40
+    dst.write_bytes(bytes(data))
+    return dst
+
+
+# -- every hostile archive: (builder, expected message) ----------------------------------------
+
+MARK = f"offgraph_escape_{uuid.uuid4().hex}"
+
+
+def _traversal(good, tmp):
+    return rewrite(good, tmp / "traversal.pt2", extra=[(root_of(good) + f"../../{MARK}.txt", b"escaped")])
+
+
+def _deep_traversal(good, tmp):
+    return rewrite(good, tmp / "deep.pt2", extra=[(root_of(good) + f"data/../../../../../../tmp/{MARK}.txt", b"x")])
+
+
+def _absolute(good, tmp):
+    return rewrite(good, tmp / "absolute.pt2", extra=[(str(tmp / "abs_target" / f"{MARK}.txt"), b"x")])
+
+
+def _backslash(good, tmp):
+    return rewrite(good, tmp / "backslash.pt2", extra=[(root_of(good) + "..\\..\\" + MARK, b"x")])
+
+
+def _symlink(good, tmp):
+    info = zipfile.ZipInfo(root_of(good) + "data/link")
+    info.external_attr = (stat.S_IFLNK | 0o777) << 16
+    return rewrite(good, tmp / "symlink.pt2", extra=[(info, b"/etc/passwd")])
+
+
+def _outside_root(good, tmp):
+    return rewrite(good, tmp / "outside.pt2", extra=[("elsewhere/file.txt", b"x")])
+
+
+def _duplicate(good, tmp):
+    name = root_of(good) + "byteorder"
+    with pytest.warns(UserWarning, match="Duplicate name"):
+        return rewrite(good, tmp / "duplicate.pt2", extra=[(name, b"big")])
+
+
+def _corrupt_library(good, tmp):
+    return flip_byte_in(good, tmp / "flipped_so.pt2", ".so")
+
+
+def _corrupt_specs_member(good, tmp):
+    return flip_byte_in(good, tmp / "flipped_specs.pt2", SPECS_ENTRY)
+
+
+def _widened_range(good, tmp):
+    def change(specs):
+        width = specs["inputs"][0]["shape"][1]
+        specs["symbols"][width]["max"] = 4096
+
+    return rewrite(good, tmp / "widened.pt2", specs_edit(change))
+
+
+def _narrowed_range(good, tmp):
+    def change(specs):
+        width = specs["inputs"][0]["shape"][1]
+        specs["symbols"][width]["max"] = 8
+
+    return rewrite(good, tmp / "narrowed.pt2", specs_edit(change))
+
+
+def _empty_range(good, tmp):
+    def change(specs):
+        width = specs["inputs"][0]["shape"][1]
+        specs["symbols"][width].update(min=9, max=3)
+
+    return rewrite(good, tmp / "empty_range.pt2", specs_edit(change))
+
+
+def _wrong_dtype(good, tmp):
+    return rewrite(good, tmp / "dtype.pt2", specs_edit(lambda s: s["inputs"][0].update(dtype="int32")))
+
+
+def _unknown_dtype(good, tmp):
+    return rewrite(good, tmp / "int65.pt2", specs_edit(lambda s: s["inputs"][1].update(dtype="int65")))
+
+
+def _static_dim_changed(good, tmp):
+    return rewrite(good, tmp / "batch.pt2", specs_edit(lambda s: s["inputs"][0]["shape"].__setitem__(0, 2)))
+
+
+def _positions_dropped(good, tmp):
+    return rewrite(good, tmp / "nopos.pt2", specs_edit(lambda s: s.update(positions_input=None)))
+
+
+def _bound_dropped(good, tmp):
+    return rewrite(good, tmp / "nobound.pt2", specs_edit(lambda s: s["inputs"][0].update(index_bound=None)))
+
+
+def _input_dropped(good, tmp):
+    return rewrite(good, tmp / "oneinput.pt2", specs_edit(lambda s: s.update(inputs=s["inputs"][:1], positions_input=None)))
+
+
+def _deeply_nested(good, tmp):
+    return rewrite(good, tmp / "nested.pt2", lambda n, d: b"[" * 50_000 + b"]" * 50_000 if n.endswith(SPECS_ENTRY) else d)
+
+
+def _huge_specs(good, tmp):
+    return rewrite(good, tmp / "huge.pt2", lambda n, d: d + b" " * (5 << 20) if n.endswith(SPECS_ENTRY) else d)
+
+
+def _version_string(good, tmp):
+    return rewrite(good, tmp / "version.pt2", specs_edit(lambda s: s.update(version="1")))
+
+
+HOSTILE = [
+    pytest.param(_traversal, "climbs out of the package folder", id="traversal"),
+    pytest.param(_deep_traversal, "climbs out of the package folder", id="deep-traversal"),
+    pytest.param(_absolute, "is an absolute path", id="absolute-name"),
+    pytest.param(_backslash, "contains a backslash", id="backslash-name"),
+    pytest.param(_symlink, "is a link or special file", id="symlink"),
+    pytest.param(_outside_root, "lies outside the package folder", id="outside-root"),
+    pytest.param(_duplicate, "appear more than once", id="duplicate-entry"),
+    pytest.param(_corrupt_library, r"wrapper\.so' is corrupt", id="flipped-byte-in-library"),
+    pytest.param(_corrupt_specs_member, "offgraph_specs.json' is corrupt", id="flipped-byte-in-specs"),
+    pytest.param(_widened_range, r"must lie in \[1, max_write=32\]", id="widened-width-range"),
+    pytest.param(_narrowed_range, "disagree with the compiled program's own", id="narrowed-width-range"),
+    pytest.param(_empty_range, r"min > max", id="min-above-max"),
+    pytest.param(_wrong_dtype, "disagree with the compiled program's own", id="dtype-changed"),
+    pytest.param(_unknown_dtype, "int65", id="unknown-dtype"),
+    pytest.param(_static_dim_changed, "disagree with the compiled program's own", id="static-dim-changed"),
+    pytest.param(_positions_dropped, "disagree with the compiled program's own", id="positions-dropped"),
+    pytest.param(_bound_dropped, "disagree with the compiled program's own", id="index-bound-dropped"),
+    pytest.param(_input_dropped, "must follow the 1 model inputs", id="input-dropped"),
+    pytest.param(_deeply_nested, "nests deeper than", id="deeply-nested-specs"),
+    pytest.param(_huge_specs, "more than the", id="oversized-specs"),
+    pytest.param(_version_string, "version", id="version-as-string"),
+]
+
+
+def _written_outside(tmp: Path) -> list[str]:
+    """Files named like the hostile entries anywhere they could have landed: where the names point
+    from an extraction folder under the temp dir (the temp dir, one level below it, ``/``), the
+    working directory, and the absolute target."""
+    temp = Path(tempfile.gettempdir())
+    places = [temp, Path("/"), tmp.parent, Path.cwd(), tmp / "abs_target"]
+    try:
+        places += [p for p in temp.iterdir() if p.is_dir()]
+    except OSError:
+        pass
+    found = []
+    for place in places:
+        try:
+            found += [str(p) for p in place.glob(f"{MARK}*")]
+        except OSError:  # another process's temp folder vanished meanwhile
+            continue
+    return found
+
+
+@pytest.mark.parametrize(("make", "message"), HOSTILE)
+def test_hostile_archive_is_refused_before_loading(make, message, example_artifact, tmp_path):
+    path = make(example_artifact, tmp_path)
+    with pytest.raises(ArtifactError, match=message) as info:
+        Artifact.load(path)
+    assert str(path) in str(info.value)
+    assert not _written_outside(tmp_path)
+
+
+@pytest.mark.parametrize(("make", "message"), HOSTILE)
+def test_cli_refuses_hostile_archive_in_one_line(make, message, example_artifact, tmp_path):
+    path = make(example_artifact, tmp_path)
+    proc = cli("check", str(path), "--model", EXAMPLE, "--steps", "1", check=False)
+    assert proc.returncode == 2, proc.stdout
+    assert proc.stderr.count("\n") <= 2 and "Traceback" not in proc.stderr  # "checking ..." + error
+    assert proc.stderr.splitlines()[-1].startswith("error: ")
+    assert not _written_outside(tmp_path)
+
+
+def test_names_are_checked_even_where_only_the_specs_are_read(example_artifact, tmp_path):
+    path = _traversal(example_artifact, tmp_path)
+    with pytest.raises(ArtifactError, match="climbs out"):
+        read_artifact_specs(path)
+    proc = cli("inspect", str(path), check=False)
+    assert proc.returncode == 2 and "climbs out" in proc.stderr
+
+
+def test_control_a_faithful_rewrite_loads(example_artifact, tmp_path):
+    """The rewriting itself breaks nothing: only the hostile changes are refused."""
+    path = rewrite(example_artifact, tmp_path / "same.pt2")
+    assert Artifact.load(path).specs == read_artifact_specs(example_artifact)
+
+
+# -- code named by an archive never runs -------------------------------------------------------
+
+
+@pytest.fixture
+def foreign_model_archive(example_artifact, tmp_path):
+    """The archive names a model file that writes a marker when imported, and a factory that
+    would run a shell command."""
+    marker = tmp_path / "imported.txt"
+    evil = tmp_path / "evil.py"
+    evil.write_text(f"open({str(marker)!r}, 'w').write('ran')\ndef build(**kw):\n    raise SystemExit(0)\n")
+    shell_marker = tmp_path / "shell.txt"
+
+    def change(specs):
+        specs["model"] = f"{evil}:build"
+        specs["model_args"] = {"command": f"touch {shell_marker}"}
+
+    path = rewrite(example_artifact, tmp_path / "foreign.pt2", specs_edit(change))
+    os_system = rewrite(example_artifact, tmp_path / "os_system.pt2",
+                        specs_edit(lambda s: s.update(model="os:system", model_args={"command": f"touch {shell_marker}"})))
+    return path, os_system, marker, shell_marker
+
+
+@pytest.mark.parametrize("command", [["check"], ["run", "--tokens", "1,2,3", "--max-new-tokens", "2"]])
+def test_recorded_model_is_not_imported_without_asking(foreign_model_archive, command):
+    path, os_system, marker, shell_marker = foreign_model_archive
+    for archive in (path, os_system):
+        proc = cli(command[0], str(archive), *command[1:], check=False)
+        assert proc.returncode == 2
+        assert "--model" in proc.stderr and "Traceback" not in proc.stderr
+    assert not marker.exists() and not shell_marker.exists()
+
+
+def test_the_model_the_user_names_is_the_one_used(foreign_model_archive):
+    path, _, marker, shell_marker = foreign_model_archive
+    proc = cli("check", str(path), "--model", EXAMPLE, "-a", "seed=0", "--steps", "2", check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert not marker.exists() and not shell_marker.exists()
+
+
+def test_recorded_model_opt_in_says_what_it_imports(foreign_model_archive):
+    path, _, marker, _ = foreign_model_archive
+    proc = cli("check", str(path), "--recorded-model", check=False)
+    assert f"importing the model recorded in {path}: " in proc.stderr
+    assert marker.exists()  # the user asked for it, and was told
+    assert proc.returncode == 2 and "called exit(0)" in proc.stderr
+
+
+def test_nothing_from_the_archive_is_left_in_the_working_directory(example_artifact, tmp_path):
+    before = set(os.listdir(Path.cwd()))
+    Artifact.load(rewrite(example_artifact, tmp_path / "ok.pt2"))
+    assert set(os.listdir(Path.cwd())) == before
