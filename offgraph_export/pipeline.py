@@ -26,6 +26,7 @@ from offgraph_export.models import ModelBundle
 from offgraph_export.passes.bound_table_indices import bound_table_indices
 from offgraph_export.passes.build_manifest import build_manifest
 from offgraph_export.passes.functionalize import functionalize
+from offgraph_export.passes.fuse_projections import fuse_projections
 from offgraph_export.passes.graph_utils import describe_inputs, user_input_nodes
 from offgraph_export.passes.record_positions import record_positions
 from offgraph_export.passes.record_step_width import record_step_width
@@ -64,6 +65,7 @@ class LoweredProgram:
     step_impl: str
     positions_input: int | None = None
     index_bounds: dict[int, int] = field(default_factory=dict)
+    options: dict[str, bool | int | str] = field(default_factory=dict)
     pass_results: dict[str, PassResult[Any]] = field(default_factory=dict)
 
     def artifact_specs(self, device: str, **model_info) -> ArtifactSpecs:
@@ -85,6 +87,7 @@ class LoweredProgram:
             symbols=symbols,
             torch_version=torch.__version__,
             positions_input=self.positions_input,
+            options=self.options,
             **model_info,
         )
 
@@ -109,9 +112,10 @@ def run_passes(
     example_inputs: Sequence[torch.Tensor],
     cache_config: CacheConfig,
     step_impl: str | StepImpl = "portable",
+    fuse: bool = True,
 ) -> LoweredProgram:
-    """validate -> record step width -> record positions -> bound table indices -> build
-    manifest -> strip -> functionalize.
+    """validate -> record step width -> record positions -> bound table indices -> fuse
+    projections (``fuse``) -> build manifest -> strip -> functionalize.
 
     ``step_impl``: ``portable``, ``triton``, or a callable with the signature of
     ``portable_update_and_attend`` (recorded in the specs by its ``__name__``)."""
@@ -121,6 +125,7 @@ def run_passes(
         ("record_step_width", record_step_width),
         ("record_positions", record_positions),
         ("bound_table_indices", bound_table_indices),
+        *([("fuse_projections", lambda p: fuse_projections(p, example_inputs))] if fuse else []),
         ("build_manifest", lambda p: build_manifest(p, cache_config)),
         (
             "strip_kv_cache",
@@ -140,6 +145,7 @@ def run_passes(
         step_impl=step_impl_name(step_impl),
         positions_input=results["record_positions"].produced,
         index_bounds=results["bound_table_indices"].produced,
+        options={"fuse_projections": fuse},
         pass_results=results,
     )
 
@@ -155,6 +161,7 @@ def export_and_lower(
     device: str = "cpu",
     step_impl: str | None = None,
     progress: Progress = _noop,
+    fuse: bool = True,
     **model_info,
 ) -> tuple[Path, LoweredProgram, dict[str, float]]:
     """Export, run the passes and lower ``bundle`` to ``path``; returns timings in seconds."""
@@ -168,7 +175,7 @@ def export_and_lower(
     timings["export_s"] = time.perf_counter() - t0
     progress(f"running passes (step impl: {impl})")
     t0 = time.perf_counter()
-    program = run_passes(ep, inputs, bundle.cache_config, impl)
+    program = run_passes(ep, inputs, bundle.cache_config, impl, fuse=fuse)
     timings["passes_s"] = time.perf_counter() - t0
     progress(f"compiling with AOTInductor for {device} (tens of seconds)")
     t0 = time.perf_counter()

@@ -41,6 +41,7 @@ def test_what_fired(gqa_stack):
     assert fired == {
         "validate_kv_sites": False, "record_step_width": False, "record_positions": False,
         "bound_table_indices": False,  # embeddings come in: no table lookup to bound
+        "fuse_projections": True,  # q/k/v of every layer
         "build_manifest": False, "strip_kv_cache": True, "functionalize": True,
     }
     assert program.pass_results["record_positions"].produced == 1

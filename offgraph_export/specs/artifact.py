@@ -107,6 +107,8 @@ class ArtifactSpecs(BaseModel):
     model_dtype: str | None = None
     #: the input carrying the step's absolute positions (None: computed inside the program)
     positions_input: int | None = Field(default=None, ge=0)
+    #: export options that shaped the program (e.g. ``fuse_projections``)
+    options: dict[str, bool | int | str] = Field(default_factory=dict)
 
     @field_validator("step_width", mode="before")
     @classmethod
