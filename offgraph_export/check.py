@@ -27,6 +27,7 @@ from offgraph_export.errors import CheckFailed, OffgraphError
 from offgraph_export.frontends import load_bundle
 from offgraph_export.models import ModelBundle
 from offgraph_export.reference.oracle import Oracle
+from offgraph_export.runtime import load_artifact
 from offgraph_export.runtime.artifact import Artifact
 from offgraph_export.runtime.session import Session
 from offgraph_export.specs.manifest import CacheManifest, storage_row
@@ -303,8 +304,8 @@ def check_artifact(
     model_name = bundle if isinstance(bundle, str) else ""
     if isinstance(bundle, str):
         bundle = load_bundle(bundle)
-    if not isinstance(artifact, Artifact):
-        artifact = Artifact.load(artifact, single_threaded=cuda_graphs)
+    if isinstance(artifact, (str, Path)):
+        artifact = load_artifact(artifact, single_threaded=cuda_graphs)
     manifest = artifact.specs.manifest
     sched = list(schedule) if schedule is not None else default_schedule(manifest, decode_steps, prefill_chunks, seed)
     report = CheckReport(

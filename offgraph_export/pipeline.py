@@ -150,9 +150,20 @@ def run_passes(
     )
 
 
-def lower(program: LoweredProgram, path: str | Path, device: str, **model_info) -> Path:
-    """``model_info``: ``model``, ``model_args``, ``model_dtype`` recorded for check/run."""
-    return compile_package(program.stripped, path, program.artifact_specs(device, **model_info))
+FORMATS = ("pt2", "executorch")
+
+
+def lower(program: LoweredProgram, path: str | Path, device: str, format: str = "pt2", **model_info) -> Path:
+    """``format``: ``pt2`` (AOTInductor package) or ``executorch`` (``.pte``, cpu).
+    ``model_info``: ``model``, ``model_args``, ``model_dtype`` recorded for check/run."""
+    specs = program.artifact_specs(device, **model_info)
+    if format == "pt2":
+        return compile_package(program.stripped, path, specs)
+    if format == "executorch":
+        from offgraph_export.lowering.executorch import compile_pte
+
+        return compile_pte(program.stripped, path, specs)
+    raise ExportError(f"unknown format {format!r}; expected one of {FORMATS}")
 
 
 def export_and_lower(
@@ -162,11 +173,13 @@ def export_and_lower(
     step_impl: str | None = None,
     progress: Progress = _noop,
     fuse: bool = True,
+    format: str = "pt2",
     **model_info,
 ) -> tuple[Path, LoweredProgram, dict[str, float]]:
-    """Export, run the passes and lower ``bundle`` to ``path``; returns timings in seconds."""
+    """Export, run the passes and lower ``bundle`` to ``path``; returns timings in seconds. The
+    model is exported for inference: its parameters stop requiring grad."""
     impl = step_impl or default_step_impl(device)
-    model = bundle.model.to(device)
+    model = bundle.model.to(device).requires_grad_(False)
     inputs = tuple(x.to(device) for x in bundle.example_inputs)
     timings: dict[str, float] = {}
     progress("exporting")
@@ -177,8 +190,8 @@ def export_and_lower(
     t0 = time.perf_counter()
     program = run_passes(ep, inputs, bundle.cache_config, impl, fuse=fuse)
     timings["passes_s"] = time.perf_counter() - t0
-    progress(f"compiling with AOTInductor for {device} (tens of seconds)")
+    progress(f"compiling ({format}) for {device} (tens of seconds)")
     t0 = time.perf_counter()
-    out = lower(program, path, device, **model_info)
+    out = lower(program, path, device, format=format, **model_info)
     timings["compile_s"] = time.perf_counter() - t0
     return out, program, timings

@@ -140,17 +140,20 @@ def cli(debug: bool) -> None:
 @click.option("--ring", "rings", type=_Pairs(), multiple=True, help="Make LAYER a sliding-window layer: LAYER=WINDOW (repeatable).")
 @click.option("--all-flat", is_flag=True, help="Ignore the factory's ring layers: every layer keeps all history.")
 @click.option("--step-impl", type=click.Choice(["portable", "triton"]), help="Lowered step implementation (default: triton on cuda, portable on cpu).")
+@click.option("--format", "fmt", type=click.Choice(["pt2", "executorch"]), default="pt2", show_default=True, help="pt2: an AOTInductor package; executorch: an ExecuTorch .pte (cpu).")
 @click.option("--fuse-projections/--no-fuse-projections", "fuse", default=True, show_default=True, help="Fuse sibling projections (q/k/v, gate/up) into one GEMM each.")
 @click.option("-a", "--arg", "factory_args", multiple=True, metavar="NAME=VALUE", help="Keyword argument for the model factory (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
-def export(model_factory, output, device, max_capacity, initial_capacity, max_write, dtype, rings, all_flat, step_impl, fuse, factory_args, as_json):
+def export(model_factory, output, device, max_capacity, initial_capacity, max_write, dtype, rings, all_flat, step_impl, fmt, fuse, factory_args, as_json):
     """Export MODEL_FACTORY (FILE.py:FUNCTION or package.module:FUNCTION) to a .pt2 artifact."""
     from offgraph_export.frontends import canonical_reference, load_bundle
     from offgraph_export.frontends.factory import parse_factory_args
     from offgraph_export.models import cast_bundle
     from offgraph_export.pipeline import export_and_lower
 
-    _check_output(output, ".pt2")
+    _check_output(output, ".pte" if fmt == "executorch" else ".pt2")
+    if fmt == "executorch" and device != "cpu":
+        raise click.BadParameter("the executorch format is built for cpu here", param_hint="'--device'")
     _check_device(device, step_impl)
     args = parse_factory_args(factory_args)
     _say(f"building {model_factory}")
@@ -161,7 +164,7 @@ def export(model_factory, output, device, max_capacity, initial_capacity, max_wr
     )
     started = time.perf_counter()
     path, program, timings = export_and_lower(
-        replace(bundle, cache_config=config), output, device=device, step_impl=step_impl, fuse=fuse,
+        replace(bundle, cache_config=config), output, device=device, step_impl=step_impl, fuse=fuse, format=fmt,
         progress=lambda m: _say(f"[{time.perf_counter() - started:6.1f}s] {m}"),
         model=canonical_reference(model_factory), model_args=args, model_dtype=dtype,
     )
@@ -186,10 +189,11 @@ def export(model_factory, output, device, max_capacity, initial_capacity, max_wr
 @click.option("--json", "as_json", is_flag=True, help="Print the specs as JSON.")
 def inspect(artifact, as_json):
     """Show ARTIFACT's step width, manifest and inputs (reads the archive; loads no code)."""
-    from offgraph_export.specs.artifact import archive_entries, read_artifact_specs
+    from offgraph_export.runtime import read_specs
+    from offgraph_export.specs.artifact import archive_entries
 
-    specs = read_artifact_specs(artifact)
-    entries = archive_entries(artifact)
+    specs = read_specs(artifact)
+    entries = [] if artifact.endswith(".pte") else archive_entries(artifact)
     if as_json:
         data = specs.model_dump(mode="json")
         data["archive"] = [{"name": n, "bytes": b} for n, b in entries]
@@ -245,9 +249,9 @@ def check(artifact, model_factory, recorded_model, steps, prefill_chunks, seed, 
     from offgraph_export.frontends import load_bundle
     from offgraph_export.frontends.factory import parse_factory_args
     from offgraph_export.models import cast_bundle
-    from offgraph_export.specs.artifact import read_artifact_specs
+    from offgraph_export.runtime import read_specs
 
-    specs = read_artifact_specs(artifact)
+    specs = read_specs(artifact)
     if cuda_graphs and specs.device != "cuda":
         raise click.BadParameter("CUDA graphs need a cuda artifact", param_hint="'--cuda-graphs'")
     factory = _model_reference(artifact, specs, model_factory, recorded_model)
@@ -274,8 +278,7 @@ def run(artifact, prompt, tokens, max_new_tokens, model_factory, recorded_model,
     """Greedy generation from ARTIFACT with a session-owned cache."""
     from offgraph_export.frontends import load_bundle
     from offgraph_export.generate import generate
-    from offgraph_export.runtime.artifact import Artifact
-    from offgraph_export.specs.artifact import read_artifact_specs
+    from offgraph_export.runtime import load_artifact, read_specs
 
     if (prompt is None) == (tokens is None):
         raise click.UsageError("give exactly one of --prompt or --tokens")
@@ -285,7 +288,7 @@ def run(artifact, prompt, tokens, max_new_tokens, model_factory, recorded_model,
             ids = [int(t) for t in tokens.split(",") if t.strip()]
         except ValueError:
             raise click.BadParameter(f"{tokens!r} must be comma-separated integers", param_hint="'--tokens'") from None
-    specs = read_artifact_specs(artifact)
+    specs = read_specs(artifact)
     if cuda_graphs and specs.device != "cuda":
         raise click.BadParameter("CUDA graphs need a cuda artifact", param_hint="'--cuda-graphs'")
     factory = _model_reference(artifact, specs, model_factory, recorded_model)
@@ -294,7 +297,7 @@ def run(artifact, prompt, tokens, max_new_tokens, model_factory, recorded_model,
         if bundle.encode is None:
             raise OffgraphError(f"{factory} has no tokenizer; use --tokens")
         ids = bundle.encode(prompt)
-    loaded = Artifact.load(artifact, single_threaded=cuda_graphs)
+    loaded = load_artifact(artifact, single_threaded=cuda_graphs)
     session = loaded.new_session(cuda_graphs=cuda_graphs)
     with click.progressbar(length=max_new_tokens, label="generating", file=sys.stderr) as bar:
         result = generate(session, bundle.make_inputs, ids, max_new_tokens, on_token=lambda _: bar.update(1))

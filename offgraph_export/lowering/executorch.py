@@ -1,0 +1,126 @@
+"""Lower a stripped program to an ExecuTorch ``.pte`` (CPU, portable kernels), specs embedded.
+
+The same stripped program as the ``.pt2``: model inputs, then the storage inputs the runtime binds.
+Without a delegate to carry them as CompileSpecs, the specs travel as constant methods of the
+program (ExecuTorch's own way to attach values to a ``.pte``): ``offgraph_kv_step_width`` (the
+``"input_index:dim"`` text), ``offgraph_kv_manifest`` (the manifest JSON), ``offgraph_program`` (the
+program description) and ``offgraph_specs`` (the whole :class:`ArtifactSpecs` JSON). They are read
+back with ExecuTorch's flatbuffer deserializer, which is plain Python: no native code is loaded.
+
+ExecuTorch plans graph inputs into its own memory (``alloc_graph_input=True``, the default kept
+here): the mutated storage comes back as the program's leading outputs and the caller's tensors are
+not written, so the runtime copies those outputs back into its storage
+(:class:`~offgraph_export.runtime.pte_artifact.PteArtifact`). ``alloc_graph_input=False`` would
+silently keep a stale internal copy, so it is never used.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from torch.export import ExportedProgram
+
+from offgraph_export.errors import ArtifactError, ExportError
+from offgraph_export.specs.artifact import PROGRAM_KEY, ArtifactSpecs, parse_artifact_specs
+from offgraph_export.specs.manifest import MANIFEST_KEY
+from offgraph_export.specs.step_width import STEP_WIDTH_KEY
+
+__all__ = ["SPECS_METHOD", "compile_pte", "read_pte_constants", "read_pte_specs"]
+
+#: Constant method holding the whole ArtifactSpecs JSON.
+SPECS_METHOD = "offgraph_specs"
+
+
+def _executorch():
+    try:
+        from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
+        from executorch.exir.passes import MemoryPlanningPass
+    except ImportError as exc:
+        raise ExportError(
+            f"--format executorch needs executorch (pip install 'offgraph-export[executorch]'): {exc}"
+        ) from exc
+
+    def backend_config() -> object:
+        # alloc_graph_input=True (the default, said aloud): inputs are copied into planned memory
+        # and mutated storage comes back as outputs; False would keep a stale internal copy.
+        return ExecutorchBackendConfig(memory_planning_pass=MemoryPlanningPass(alloc_graph_input=True))
+
+    return backend_config, to_edge_transform_and_lower
+
+
+def spec_constants(specs: ArtifactSpecs) -> dict[str, str]:
+    return {
+        STEP_WIDTH_KEY: specs.step_width.format(),
+        MANIFEST_KEY: specs.manifest.to_json(),
+        PROGRAM_KEY: specs.program_description(),
+        SPECS_METHOD: specs.model_dump_json(),
+    }
+
+
+def compile_pte(ep: ExportedProgram, path: str | os.PathLike, specs: ArtifactSpecs) -> Path:
+    """Lower ``ep`` (CPU) to the ``.pte`` at ``path``, written only when complete."""
+    target = Path(path)
+    if target.suffix != ".pte":
+        raise ExportError(f"artifact path {str(target)!r} must end in .pte")
+    if specs.device != "cpu":
+        raise ExportError("the executorch format is built for cpu here (the CUDA delegate is not wired yet)")
+    backend_config, to_edge_transform_and_lower = _executorch()
+    grads = [name for name, p in ep.named_parameters() if p.requires_grad]
+    if grads:
+        raise ExportError(f"parameters {grads[:3]} require grad; export the model with requires_grad_(False)")
+    try:
+        edge = to_edge_transform_and_lower(ep, partitioner=[], constant_methods=spec_constants(specs))
+        program = edge.to_executorch(backend_config())
+    except Exception as exc:  # exir raises many types; keep the cause chained
+        raise ExportError(f"ExecuTorch lowering failed: {exc}") from exc
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".offgraph-", suffix=".pte", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(program.buffer)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def read_pte_constants(path: str | os.PathLike) -> dict[str, str]:
+    """The string constant methods of a ``.pte``, read from its flatbuffer (no native code)."""
+    source = str(path)
+    target = Path(path)
+    if not target.exists():
+        raise ArtifactError(f"artifact {source!r} does not exist")
+    if not target.is_file():
+        raise ArtifactError(f"artifact {source!r} is not a regular file")
+    try:
+        from executorch.exir._serialize._program import deserialize_pte_binary
+    except ImportError as exc:
+        raise ArtifactError(f"reading {source} needs executorch (pip install 'offgraph-export[executorch]')") from exc
+    try:
+        program = deserialize_pte_binary(target.read_bytes())
+    except Exception as exc:  # a malformed flatbuffer raises anything
+        raise ArtifactError(f"{source} is not a readable .pte program: {type(exc).__name__}: {exc}") from exc
+    program = getattr(program, "program", program)
+    constants = {}
+    for plan in program.execution_plan:
+        values = getattr(plan, "values", [])
+        if len(values) == 1 and hasattr(values[0].val, "string_val"):
+            constants[plan.name] = values[0].val.string_val
+    return constants
+
+
+def read_pte_specs(path: str | os.PathLike) -> ArtifactSpecs:
+    """The specs of a ``.pte``, checked against its separately stored width, manifest and
+    program description."""
+    source = str(path)
+    constants = read_pte_constants(path)
+    missing = [k for k in (SPECS_METHOD, STEP_WIDTH_KEY, MANIFEST_KEY, PROGRAM_KEY) if k not in constants]
+    if missing:
+        raise ArtifactError(f"{source} has no offgraph specs ({missing}); was it built by `offgraph-export export`?")
+    specs = parse_artifact_specs(constants[SPECS_METHOD], source)
+    if spec_constants(specs) != {k: constants[k] for k in spec_constants(specs)}:
+        raise ArtifactError(f"{source}: its specs disagree with the width, manifest or program it carries")
+    return specs
