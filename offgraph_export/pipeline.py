@@ -153,8 +153,12 @@ def run_passes(
 FORMATS = ("pt2", "executorch")
 
 
-def lower(program: LoweredProgram, path: str | Path, device: str, format: str = "pt2", **model_info) -> Path:
-    """``format``: ``pt2`` (AOTInductor package) or ``executorch`` (``.pte``, cpu).
+def lower(
+    program: LoweredProgram, path: str | Path, device: str, format: str = "pt2",
+    executorch_backend: str = "xnnpack", **model_info,
+) -> Path:
+    """``format``: ``pt2`` (AOTInductor package) or ``executorch`` (``.pte``, cpu, lowered with
+    ``executorch_backend``: ``xnnpack`` where it applies, or ``portable``).
     ``model_info``: ``model``, ``model_args``, ``model_dtype`` recorded for check/run."""
     specs = program.artifact_specs(device, **model_info)
     if format == "pt2":
@@ -162,7 +166,7 @@ def lower(program: LoweredProgram, path: str | Path, device: str, format: str = 
     if format == "executorch":
         from offgraph_export.lowering.executorch import compile_pte
 
-        return compile_pte(program.stripped, path, specs)
+        return compile_pte(program.stripped, path, specs, backend=executorch_backend)
     raise ExportError(f"unknown format {format!r}; expected one of {FORMATS}")
 
 
@@ -174,6 +178,7 @@ def export_and_lower(
     progress: Progress = _noop,
     fuse: bool = True,
     format: str = "pt2",
+    executorch_backend: str = "xnnpack",
     **model_info,
 ) -> tuple[Path, LoweredProgram, dict[str, float]]:
     """Export, run the passes and lower ``bundle`` to ``path``; returns timings in seconds. The
@@ -192,6 +197,6 @@ def export_and_lower(
     timings["passes_s"] = time.perf_counter() - t0
     progress(f"compiling ({format}) for {device} (tens of seconds)")
     t0 = time.perf_counter()
-    out = lower(program, path, device, format=format, **model_info)
+    out = lower(program, path, device, format=format, executorch_backend=executorch_backend, **model_info)
     timings["compile_s"] = time.perf_counter() - t0
     return out, program, timings

@@ -69,3 +69,34 @@ def test_not_a_pte_is_refused(tmp_path):
     path.write_bytes(b"not a flatbuffer at all")
     with pytest.raises(ArtifactError, match="not a readable .pte"):
         read_pte_specs(path)
+
+
+def test_every_delegate_carries_its_own_specs_read_back_from_the_program(example_pte):
+    """XNNPACK delegates see their inputs in their own order: each width spec indexes the
+    delegate's own arguments, and the argument it names has the width's planned extent."""
+    from offgraph_export.lowering.executorch import delegate_width_specs
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    calls = delegate_width_specs(example_pte.read_bytes())
+    assert len(calls) > 4
+    with_width = [(i, w, sizes) for i, w, sizes in calls if w is not None]
+    assert with_width
+    for _, width, sizes in with_width:
+        assert sizes[width.input_index][width.dim] == 32  # max_write: the token width's bound
+    # some delegate's width-carrying argument is not its first: the index is the delegate's own
+    assert any(width.input_index > 0 for _, width, _ in with_width)
+    program = deserialize_pte_binary(example_pte.read_bytes())
+    program = getattr(program, "program", program)
+    plan = next(p for p in program.execution_plan if p.name == "forward")
+    manifest = read_pte_specs(example_pte).manifest.to_json().encode()
+    for delegate in plan.delegates:
+        keys = [s.key for s in delegate.compile_specs]
+        assert keys.count(MANIFEST_KEY) == 1 and keys.count(STEP_WIDTH_KEY) <= 1  # its own list
+        assert next(bytes(s.value) for s in delegate.compile_specs if s.key == MANIFEST_KEY) == manifest
+
+
+def test_portable_only_pte_passes_the_check_too(tmp_path):
+    out = tmp_path / "portable.pte"
+    cli("export", EXAMPLE, "-o", str(out), "--format", "executorch", "--executorch-backend", "portable")
+    proc = cli("check", str(out), "--model", EXAMPLE, "--steps", "4")
+    assert "PASSED" in proc.stdout

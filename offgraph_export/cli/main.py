@@ -141,10 +141,11 @@ def cli(debug: bool) -> None:
 @click.option("--all-flat", is_flag=True, help="Ignore the factory's ring layers: every layer keeps all history.")
 @click.option("--step-impl", type=click.Choice(["portable", "triton"]), help="Lowered step implementation (default: triton on cuda, portable on cpu).")
 @click.option("--format", "fmt", type=click.Choice(["pt2", "executorch"]), default="pt2", show_default=True, help="pt2: an AOTInductor package; executorch: an ExecuTorch .pte (cpu).")
+@click.option("--executorch-backend", type=click.Choice(["xnnpack", "portable"]), default="xnnpack", show_default=True, help="With --format executorch: delegate to XNNPACK where it applies, or portable kernels only.")
 @click.option("--fuse-projections/--no-fuse-projections", "fuse", default=True, show_default=True, help="Fuse sibling projections (q/k/v, gate/up) into one GEMM each.")
 @click.option("-a", "--arg", "factory_args", multiple=True, metavar="NAME=VALUE", help="Keyword argument for the model factory (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
-def export(model_factory, output, device, max_capacity, initial_capacity, max_write, dtype, rings, all_flat, step_impl, fmt, fuse, factory_args, as_json):
+def export(model_factory, output, device, max_capacity, initial_capacity, max_write, dtype, rings, all_flat, step_impl, fmt, executorch_backend, fuse, factory_args, as_json):
     """Export MODEL_FACTORY (FILE.py:FUNCTION or package.module:FUNCTION) to a .pt2 artifact."""
     from offgraph_export.frontends import canonical_reference, load_bundle
     from offgraph_export.frontends.factory import parse_factory_args
@@ -164,7 +165,7 @@ def export(model_factory, output, device, max_capacity, initial_capacity, max_wr
     )
     started = time.perf_counter()
     path, program, timings = export_and_lower(
-        replace(bundle, cache_config=config), output, device=device, step_impl=step_impl, fuse=fuse, format=fmt,
+        replace(bundle, cache_config=config), output, device=device, step_impl=step_impl, fuse=fuse, format=fmt, executorch_backend=executorch_backend,
         progress=lambda m: _say(f"[{time.perf_counter() - started:6.1f}s] {m}"),
         model=canonical_reference(model_factory), model_args=args, model_dtype=dtype,
     )

@@ -1,8 +1,14 @@
-"""Lower a stripped program to an ExecuTorch ``.pte`` (CPU, portable kernels), specs embedded.
+"""Lower a stripped program to an ExecuTorch ``.pte`` (CPU: portable kernels, or XNNPACK where it
+applies), specs embedded.
 
 The same stripped program as the ``.pt2``: model inputs, then the storage inputs the runtime binds.
-Without a delegate to carry them as CompileSpecs, the specs travel as constant methods of the
-program (ExecuTorch's own way to attach values to a ``.pte``): ``offgraph_kv_step_width`` (the
+Every XNNPACK delegate carries the specs as CompileSpecs with the same keys and encodings as the
+``.pt2`` metadata: ``offgraph_kv_manifest`` (the manifest JSON) and ``offgraph_kv_step_width``. A
+delegate sees its own inputs, in its own order, so its width spec is computed from the partitioned
+program (which of the delegate's inputs carries the token width, along which dim) and verified
+again on the serialized program (:func:`delegate_width_specs`); a delegate none of whose inputs
+carries the width gets the manifest only. The whole program also carries the specs as constant
+methods of the program (ExecuTorch's own way to attach values to a ``.pte``): ``offgraph_kv_step_width`` (the
 ``"input_index:dim"`` text), ``offgraph_kv_manifest`` (the manifest JSON), ``offgraph_program`` (the
 program description) and ``offgraph_specs`` (the whole :class:`ArtifactSpecs` JSON). They are read
 back with ExecuTorch's flatbuffer deserializer, which is plain Python: no native code is loaded.
@@ -25,9 +31,19 @@ from torch.export import ExportedProgram
 from offgraph_export.errors import ArtifactError, ExportError
 from offgraph_export.specs.artifact import PROGRAM_KEY, ArtifactSpecs, parse_artifact_specs
 from offgraph_export.specs.manifest import MANIFEST_KEY
-from offgraph_export.specs.step_width import STEP_WIDTH_KEY
+from offgraph_export.specs.step_width import STEP_WIDTH_KEY, StepWidthSpec, format_step_width, parse_step_width
 
-__all__ = ["SPECS_METHOD", "compile_pte", "read_pte_constants", "read_pte_specs"]
+__all__ = [
+    "BACKENDS",
+    "SPECS_METHOD",
+    "compile_pte",
+    "delegate_width_specs",
+    "read_pte_constants",
+    "read_pte_specs",
+]
+
+#: What lowers the program's ops: ExecuTorch's portable kernels alone, or XNNPACK where it applies.
+BACKENDS = ("xnnpack", "portable")
 
 #: Constant method holding the whole ArtifactSpecs JSON.
 SPECS_METHOD = "offgraph_specs"
@@ -59,7 +75,79 @@ def spec_constants(specs: ArtifactSpecs) -> dict[str, str]:
     }
 
 
-def compile_pte(ep: ExportedProgram, path: str | os.PathLike, specs: ArtifactSpecs) -> Path:
+def _partitioners(backend: str) -> list:
+    if backend == "portable":
+        return []
+    if backend == "xnnpack":
+        from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+
+        return [XnnpackPartitioner()]
+    raise ExportError(f"unknown executorch backend {backend!r}; expected one of {BACKENDS}")
+
+
+def _attach_delegate_specs(edge: object, specs: ArtifactSpecs) -> int:
+    """Give every delegate its own CompileSpecs (the partitioner shares one list among them);
+    return how many delegates got a width spec."""
+    from executorch.exir.backend.compile_spec_schema import CompileSpec
+
+    width_symbol = specs.width_symbol
+    gm = edge.exported_program().graph_module  # type: ignore[attr-defined]
+    with_width = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or "executorch_call_delegate" not in str(node.target):
+            continue
+        lowered = getattr(gm, node.args[0].target)
+        own = [CompileSpec(MANIFEST_KEY, specs.manifest.to_json().encode())]
+        for index, arg in enumerate(node.args[1:]):
+            value = arg.meta.get("val") if hasattr(arg, "meta") else None
+            dims = [d for d, size in enumerate(getattr(value, "shape", ())) if str(size) == width_symbol]
+            if dims:
+                own.append(CompileSpec(STEP_WIDTH_KEY, format_step_width(index, dims[0]).encode()))
+                with_width += 1
+                break
+        lowered._compile_specs = [*lowered.compile_specs, *own]  # a list of its own, not the shared one
+    return with_width
+
+
+def delegate_width_specs(buffer: bytes) -> list[tuple[int, StepWidthSpec | None, list[list[int]]]]:
+    """For every delegate call of the serialized program: the delegate's index, its width spec
+    (None without one) and the planned sizes of its arguments, read back from the flatbuffer."""
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    program = deserialize_pte_binary(buffer)
+    program = getattr(program, "program", program)
+    plan = next(p for p in program.execution_plan if p.name == "forward")
+    out = []
+    for chain in plan.chains:
+        for instruction in chain.instructions:
+            call = instruction.instr_args
+            if type(call).__name__ != "DelegateCall":
+                continue
+            specs = {s.key: s.value for s in plan.delegates[call.delegate_index].compile_specs}
+            width = specs.get(STEP_WIDTH_KEY)
+            sizes = [list(getattr(plan.values[a].val, "sizes", [])) for a in call.args]
+            out.append((call.delegate_index, parse_step_width(bytes(width).decode()) if width else None, sizes))
+    return out
+
+
+def _verify_delegate_widths(buffer: bytes, specs: ArtifactSpecs) -> None:
+    """On the serialized program: each delegate's width spec names one of its arguments whose
+    planned extent along that dim is the width's upper bound (``max_write``)."""
+    bound = specs.symbols[specs.width_symbol].max
+    for index, width, sizes in delegate_width_specs(buffer):
+        if width is None:
+            continue
+        arg = sizes[width.input_index] if width.input_index < len(sizes) else []
+        if width.dim >= len(arg) or arg[width.dim] != bound:
+            raise ExportError(
+                f"delegate {index}: width spec {width.format()!r} names an argument of planned "
+                f"sizes {arg}, not one of token width up to {bound}"
+            )
+
+
+def compile_pte(
+    ep: ExportedProgram, path: str | os.PathLike, specs: ArtifactSpecs, backend: str = "xnnpack"
+) -> Path:
     """Lower ``ep`` (CPU) to the ``.pte`` at ``path``, written only when complete."""
     target = Path(path)
     if target.suffix != ".pte":
@@ -71,10 +159,16 @@ def compile_pte(ep: ExportedProgram, path: str | os.PathLike, specs: ArtifactSpe
     if grads:
         raise ExportError(f"parameters {grads[:3]} require grad; export the model with requires_grad_(False)")
     try:
-        edge = to_edge_transform_and_lower(ep, partitioner=[], constant_methods=spec_constants(specs))
+        edge = to_edge_transform_and_lower(
+            ep, partitioner=_partitioners(backend), constant_methods=spec_constants(specs)
+        )
+        _attach_delegate_specs(edge, specs)
         program = edge.to_executorch(backend_config())
+    except ExportError:
+        raise
     except Exception as exc:  # exir raises many types; keep the cause chained
         raise ExportError(f"ExecuTorch lowering failed: {exc}") from exc
+    _verify_delegate_widths(program.buffer, specs)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".offgraph-", suffix=".pte", dir=target.parent)
     try:
