@@ -29,6 +29,7 @@ from pathlib import Path
 from torch.export import ExportedProgram
 
 from offgraph_export.errors import ArtifactError, ExportError
+from offgraph_export.specs.archive import regular_file
 from offgraph_export.specs.artifact import PROGRAM_KEY, ArtifactSpecs, parse_artifact_specs
 from offgraph_export.specs.manifest import MANIFEST_KEY
 from offgraph_export.specs.step_width import STEP_WIDTH_KEY, StepWidthSpec, format_step_width, parse_step_width
@@ -184,11 +185,7 @@ def compile_pte(
 def read_pte_constants(path: str | os.PathLike) -> dict[str, str]:
     """The string constant methods of a ``.pte``, read from its flatbuffer (no native code)."""
     source = str(path)
-    target = Path(path)
-    if not target.exists():
-        raise ArtifactError(f"artifact {source!r} does not exist")
-    if not target.is_file():
-        raise ArtifactError(f"artifact {source!r} is not a regular file")
+    target = regular_file(path)
     try:
         from executorch.exir._serialize._program import deserialize_pte_binary
     except ImportError as exc:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from offgraph_export.errors import ArtifactError
 
-__all__ = ["ROOT_MARKER", "check_archive", "archive_root"]
+__all__ = ["ROOT_MARKER", "check_archive", "archive_root", "regular_file"]
 
 #: The entry that marks a PT2 archive's root folder (``<root>/archive_format``).
 ROOT_MARKER = "archive_format"
@@ -59,14 +59,20 @@ def archive_root(names: list[str], source: str) -> str:
     return roots[0]
 
 
+def regular_file(path: str | os.PathLike) -> Path:
+    """``path`` as a Path, or :class:`ArtifactError` unless it names an existing regular file."""
+    target = Path(path)
+    if not target.exists():
+        raise ArtifactError(f"artifact {str(path)!r} does not exist")
+    if not target.is_file():
+        raise ArtifactError(f"artifact {str(path)!r} is not a regular file")
+    return target
+
+
 def check_archive(path: str | os.PathLike, verify_crc: bool = True) -> list[zipfile.ZipInfo]:
     """Validate every entry of the archive at ``path`` (see the module docstring); return them."""
     source = str(path)
-    target = Path(path)
-    if not target.exists():
-        raise ArtifactError(f"artifact {source!r} does not exist")
-    if not target.is_file():
-        raise ArtifactError(f"artifact {source!r} is not a regular file")
+    target = regular_file(path)
     try:
         with zipfile.ZipFile(target) as archive:
             infos = archive.infolist()
