@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from offgraph_export.errors import OffgraphError
-from offgraph_export.reference.oracle import Oracle
+from offgraph_export.reference.oracle import Oracle, ReferenceOracle
 from offgraph_export.specs.cache_config import CacheConfig
 from offgraph_export.specs.manifest import CacheManifest
 
@@ -45,8 +45,6 @@ class ModelBundle:
             )
 
     def oracle(self, manifest: CacheManifest) -> Oracle:
-        from offgraph_export.reference.oracle import ReferenceOracle
-
         if self.make_oracle is not None:
             return self.make_oracle(manifest)
         return ReferenceOracle(self.model, manifest)

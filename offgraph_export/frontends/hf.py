@@ -340,7 +340,6 @@ def _torch_dtype(dtype: str | None) -> torch.dtype | None:
 class HFCheckpoint:
     model: nn.Module
     tokenizer: object | None
-    random_weights: bool
 
 
 def load_hf_model(directory: str | os.PathLike, dtype: str | None = None, seed: int = 0) -> HFCheckpoint:
@@ -390,7 +389,7 @@ def load_hf_model(directory: str | os.PathLike, dtype: str | None = None, seed: 
             tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
         except Exception as exc:
             raise _fail(path, f"cannot load the tokenizer: {_first_line(exc)}") from exc
-    return HFCheckpoint(model.eval(), tokenizer, random_weights=not weights)
+    return HFCheckpoint(model.eval(), tokenizer)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -86,14 +86,12 @@ def _partitioners(backend: str) -> list:
     raise ExportError(f"unknown executorch backend {backend!r}; expected one of {BACKENDS}")
 
 
-def _attach_delegate_specs(edge: object, specs: ArtifactSpecs) -> int:
-    """Give every delegate its own CompileSpecs (the partitioner shares one list among them);
-    return how many delegates got a width spec."""
+def _attach_delegate_specs(edge: object, specs: ArtifactSpecs) -> None:
+    """Give every delegate its own CompileSpecs (the partitioner shares one list among them)."""
     from executorch.exir.backend.compile_spec_schema import CompileSpec
 
     width_symbol = specs.width_symbol
     gm = edge.exported_program().graph_module  # type: ignore[attr-defined]
-    with_width = 0
     for node in gm.graph.nodes:
         if node.op != "call_function" or "executorch_call_delegate" not in str(node.target):
             continue
@@ -104,10 +102,8 @@ def _attach_delegate_specs(edge: object, specs: ArtifactSpecs) -> int:
             dims = [d for d, size in enumerate(getattr(value, "shape", ())) if str(size) == width_symbol]
             if dims:
                 own.append(CompileSpec(STEP_WIDTH_KEY, format_step_width(index, dims[0]).encode()))
-                with_width += 1
                 break
         lowered._compile_specs = [*lowered.compile_specs, *own]  # a list of its own, not the shared one
-    return with_width
 
 
 def delegate_width_specs(buffer: bytes) -> list[tuple[int, StepWidthSpec | None, list[list[int]]]]:

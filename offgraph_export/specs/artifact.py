@@ -31,7 +31,6 @@ __all__ = [
     "ARTIFACT_SPECS_VERSION",
     "PROGRAM_KEY",
     "SPECS_ENTRY",
-    "TENSOR_DTYPES",
     "InputSpec",
     "SymbolRange",
     "ArtifactSpecs",
@@ -45,9 +44,6 @@ ARTIFACT_SPECS_VERSION = 1
 #: AOTI metadata key of the program description (:meth:`ArtifactSpecs.program_description`).
 PROGRAM_KEY = "offgraph_program"
 
-TENSOR_DTYPES = (
-    "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool",
-)
 TensorDtype = Literal[
     "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"
 ]

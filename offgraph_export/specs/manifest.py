@@ -245,9 +245,6 @@ class CacheManifest(BaseModel):
         layer, which = self.owner(storage)
         return (self.batch_size, layer.kv_heads, self.rows(layer, capacity), layer.head_dim_of(which))
 
-    def first_storage_index(self) -> int:
-        return min(s.index for s in self.storage_inputs())
-
     def check_follows(self, n_model_inputs: int) -> None:
         """Raise :class:`SpecError` unless the storage inputs are exactly the program inputs that
         follow the model's ``n_model_inputs``, K then V per layer in the order of ``layers``
