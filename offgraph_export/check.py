@@ -55,6 +55,8 @@ class StepReport(BaseModel):
     start: int
     width: int
     width_from_spec: int
+    #: the compiled method that ran the step (``model``: the general step; ``decode``)
+    method: str = ""
     rows_written: dict[str, list[int]] = Field(default_factory=dict)
     max_abs_err: float = 0.0
     tolerance: float = 0.0
@@ -90,13 +92,13 @@ class CheckReport(BaseModel):
         ]
         lines += [f"  problem: {p}" for p in self.problems]
         lines += [f"  note: {n}" for n in self.notes]
-        lines.append("  step kind     start width spec  max|err|    tol       storage  grew")
+        lines.append("  step kind     start width spec  method  max|err|    tol       storage  grew")
         for s in self.steps:
             mark = "ok  " if s.ok else "FAIL"
             grew = str(s.grew_to) if s.grew_to else ""
             lines.append(
                 f"  {mark} {s.index:<3d} {s.kind:<7s} {s.start:5d} {s.width:5d} {s.width_from_spec:4d}  "
-                f"{s.max_abs_err:9.2e} {s.tolerance:9.2e} {s.storage_max_err:9.2e}  {grew}"
+                f"{s.method:<6s} {s.max_abs_err:9.2e} {s.tolerance:9.2e} {s.storage_max_err:9.2e}  {grew}"
             )
             lines += [f"       - {p}" for p in s.problems]
         return "\n".join(lines)
@@ -238,6 +240,7 @@ def _replay(session: Session, bundle: ModelBundle, report: CheckReport) -> None:
             step = StepReport(
                 index=index, kind="prefill" if width > 1 or index == 0 else "decode", start=start,
                 width=width, width_from_spec=int(inputs[spec.input_index].shape[spec.dim]),
+                method=artifact.method_for(width),
             )
             report.steps.append(step)
             growths_before = session.storage.growth_count
@@ -281,6 +284,10 @@ def _conclude(report: CheckReport, session: Session) -> None:
         if not wrapped:
             report.notes.append(f"ring layer {lid} did not wrap")
     metrics = session.metrics()
+    methods = sorted({s.method for s in report.steps})
+    if len(methods) > 1:
+        counts = {m: sum(s.method == m for s in report.steps) for m in methods}
+        report.notes.append("methods: " + ", ".join(f"{m} ran {n} steps" for m, n in counts.items()))
     if metrics.graph_captures or metrics.graph_replays:
         report.notes.append(f"CUDA graphs: {metrics.graph_captures} captures, {metrics.graph_replays} replays")
     report.passed = (

@@ -11,8 +11,10 @@ from torch.export import Dim, ExportedProgram
 __all__ = [
     "DIM_HINT_TAKES_RANGE",
     "DECOMPOSES_TRITON_OPS",
+    "MODULE_CHECKS_GUARDS",
     "dynamic_dim",
     "decompose",
+    "unlifted_module",
 ]
 
 
@@ -28,6 +30,15 @@ DIM_HINT_TAKES_RANGE: bool = callable(Dim.DYNAMIC) and _accepts(type(Dim.DYNAMIC
 
 #: ``ExportedProgram.run_decompositions(decompose_custom_triton_ops=...)``.
 DECOMPOSES_TRITON_OPS: bool = _accepts(ExportedProgram.run_decompositions, "decompose_custom_triton_ops")
+
+#: ``ExportedProgram.module(check_guards=...)``: the unlifted module may carry input guard checks.
+MODULE_CHECKS_GUARDS: bool = _accepts(ExportedProgram.module, "check_guards")
+
+
+def unlifted_module(ep: ExportedProgram) -> object:
+    """``ep.module()`` without input guard checks, as AOTInductor's own packaging compiles it (the
+    runtime checks inputs against the specs itself)."""
+    return ep.module(check_guards=False) if MODULE_CHECKS_GUARDS else ep.module()
 
 
 def dynamic_dim(lo: int, hi: int | None) -> object:

@@ -1,9 +1,10 @@
 """One call from a model to a lowered artifact, and each stage on its own.
 
     export_model      nn.Module -> ExportedProgram (dynamic token width)
-    run_passes        validate -> record step width -> build manifest -> strip -> functionalize
-                      (each pass alone: offgraph_export.passes.*)
-    lower             stripped program -> .pt2 (AOTInductor, specs embedded)
+    run_passes        validate -> record step width -> ... -> strip -> functionalize
+                      [-> specialize width: the decode method] (each pass alone:
+                      offgraph_export.passes.*)
+    lower             stripped program(s) -> .pt2 (AOTInductor, specs embedded) or .pte
     export_and_lower  all of the above from a ModelBundle
 """
 
@@ -20,20 +21,22 @@ from torch.export import ExportedProgram
 
 from offgraph_export.compat import dynamic_dim
 from offgraph_export.errors import ExportError
-from offgraph_export.lowering.aoti import compile_package
+from offgraph_export.lowering.aoti import AUTOTUNE_CHOICES, compile_package
 from offgraph_export.lowering.step_impls import StepImpl, default_step_impl, step_impl_name
 from offgraph_export.models import ModelBundle
 from offgraph_export.passes.bound_table_indices import bound_table_indices
 from offgraph_export.passes.build_manifest import build_manifest
+from offgraph_export.passes.decode_gemv import decode_gemv as decode_gemv_pass
 from offgraph_export.passes.functionalize import functionalize
 from offgraph_export.passes.fuse_projections import fuse_projections
 from offgraph_export.passes.graph_utils import describe_inputs, user_input_nodes
 from offgraph_export.passes.record_positions import record_positions
 from offgraph_export.passes.record_step_width import record_step_width
 from offgraph_export.passes.result import PassResult
+from offgraph_export.passes.specialize_width import specialize_width
 from offgraph_export.passes.strip_kv_cache import strip_kv_cache
 from offgraph_export.passes.validate import validate_kv_sites
-from offgraph_export.specs.artifact import ArtifactSpecs, SymbolRange
+from offgraph_export.specs.artifact import DECODE_METHOD, STEP_METHOD, ArtifactSpecs, SymbolRange
 from offgraph_export.specs.cache_config import CacheConfig
 from offgraph_export.specs.manifest import CacheManifest
 from offgraph_export.specs.step_width import StepWidthSpec
@@ -44,6 +47,8 @@ __all__ = [
     "run_passes",
     "lower",
     "export_and_lower",
+    "default_decode_method",
+    "default_max_autotune",
 ]
 
 Progress = Callable[[str], None]
@@ -56,7 +61,8 @@ def _noop(_: str) -> None:
 @dataclass
 class LoweredProgram:
     """The passes' result: the program over storage inputs plus its two compile specs, and each
-    pass's :class:`PassResult` by name, in the order they ran."""
+    pass's :class:`PassResult` by name, in the order they ran. ``decode``: the same program with
+    the width fixed at 1 (the decode method), when asked for."""
 
     exported: ExportedProgram
     stripped: ExportedProgram
@@ -67,8 +73,19 @@ class LoweredProgram:
     index_bounds: dict[int, int] = field(default_factory=dict)
     options: dict[str, bool | int | str] = field(default_factory=dict)
     pass_results: dict[str, PassResult[Any]] = field(default_factory=dict)
+    decode: ExportedProgram | None = None
 
-    def artifact_specs(self, device: str, **model_info) -> ArtifactSpecs:
+    @property
+    def programs(self) -> dict[str, ExportedProgram]:
+        """The program of each method, by the name the package stores it under."""
+        methods = {STEP_METHOD: self.stripped}
+        if self.decode is not None:
+            methods[DECODE_METHOD] = self.decode
+        return methods
+
+    def artifact_specs(self, device: str, options: dict[str, bool | int | str] | None = None, **model_info) -> ArtifactSpecs:
+        """The specs of this program lowered for ``device``; ``options``: lowering options
+        recorded beside the passes' own."""
         n_inputs = len(self.exported.graph_signature.user_inputs)
         width_node = user_input_nodes(self.stripped)[self.step_width.input_index]
         width_symbol = str(width_node.meta["val"].shape[self.step_width.dim])
@@ -87,7 +104,8 @@ class LoweredProgram:
             symbols=symbols,
             torch_version=torch.__version__,
             positions_input=self.positions_input,
-            options=self.options,
+            options={**self.options, **(options or {})},
+            decode_method=self.decode is not None,
             **model_info,
         )
 
@@ -113,9 +131,13 @@ def run_passes(
     cache_config: CacheConfig,
     step_impl: str | StepImpl = "portable",
     fuse: bool = True,
+    decode_method: bool = False,
+    decode_gemv: bool = False,
 ) -> LoweredProgram:
     """validate -> record step width -> record positions -> bound table indices -> fuse
-    projections (``fuse``) -> build manifest -> strip -> functionalize.
+    projections (``fuse``) -> build manifest -> strip -> functionalize [and, from the stripped
+    program, specialize width -> GEMV projections (``decode_gemv``) -> functionalize: the decode
+    method (``decode_method``)].
 
     ``step_impl``: ``portable``, ``triton``, or a callable with the signature of
     ``portable_update_and_attend`` (recorded in the specs by its ``__name__``)."""
@@ -137,6 +159,19 @@ def run_passes(
     for name, run in steps:
         results[name] = run(program)
         program = results[name].program
+    decode = None
+    if decode_method:
+        # From the program before functionalize: that pass decomposes the triton step into the
+        # kernels chosen for a symbolic width, and the one-token kernels are chosen only where
+        # the width is the constant 1, so the decode method is traced and decomposed on its own.
+        stripped = results["strip_kv_cache"].program
+        results["specialize_width"] = specialize_width(stripped, results["record_step_width"].produced)
+        decode_program = results["specialize_width"].program
+        if decode_gemv:
+            results["decode_gemv"] = decode_gemv_pass(decode_program)
+            decode_program = results["decode_gemv"].program
+        results["functionalize_decode"] = functionalize(decode_program)
+        decode = results["functionalize_decode"].program
     return LoweredProgram(
         exported=ep,
         stripped=program,
@@ -145,24 +180,47 @@ def run_passes(
         step_impl=step_impl_name(step_impl),
         positions_input=results["record_positions"].produced,
         index_bounds=results["bound_table_indices"].produced,
-        options={"fuse_projections": fuse},
+        options={"fuse_projections": fuse, **({"decode_gemv": decode_gemv} if decode_method else {})},
         pass_results=results,
+        decode=decode,
     )
 
 
 FORMATS = ("pt2", "executorch")
 
 
+def default_decode_method(device: str) -> bool:
+    """A decode method by default on cuda (where a specialized one-token step pays for its
+    compile); on cpu the general step serves decode."""
+    return device.startswith("cuda")
+
+
+def default_max_autotune(device: str) -> str:
+    """``decode`` on cuda (tune the one-token GEMMs, which default kernels run far below memory
+    bandwidth), ``none`` on cpu."""
+    return "decode" if device.startswith("cuda") else "none"
+
+
 def lower(
     program: LoweredProgram, path: str | Path, device: str, format: str = "pt2",
-    executorch_backend: str = "xnnpack", **model_info,
+    executorch_backend: str = "xnnpack", max_autotune: str = "none",
+    progress: Progress = _noop, **model_info,
 ) -> Path:
-    """``format``: ``pt2`` (AOTInductor package) or ``executorch`` (``.pte``, cpu, lowered with
-    ``executorch_backend``: ``xnnpack`` where it applies, or ``portable``).
+    """``format``: ``pt2`` (AOTInductor package with a method per program) or ``executorch``
+    (``.pte`` lowered with ``executorch_backend``: on cpu ``xnnpack`` where it applies, or
+    ``portable``; on cuda ``cuda``, the program exported on cpu). ``max_autotune``: one of ``AUTOTUNE_CHOICES`` (pt2), recorded in the specs.
     ``model_info``: ``model``, ``model_args``, ``model_dtype`` recorded for check/run."""
-    specs = program.artifact_specs(device, **model_info)
+    if max_autotune not in AUTOTUNE_CHOICES:
+        raise ExportError(f"unknown max_autotune {max_autotune!r}; expected one of {AUTOTUNE_CHOICES}")
     if format == "pt2":
-        return compile_package(program.stripped, path, specs)
+        specs = program.artifact_specs(device, options={"max_autotune": max_autotune}, **model_info)
+        return compile_package(program.programs, path, specs, progress)
+    if program.decode is not None or max_autotune != "none":
+        raise ExportError(
+            "the decode method and max-autotune are AOTInductor options; export for the "
+            "executorch format without them"
+        )
+    specs = program.artifact_specs(device, **model_info)
     if format == "executorch":
         from offgraph_export.lowering.executorch import compile_pte
 
@@ -178,12 +236,29 @@ def export_and_lower(
     progress: Progress = _noop,
     fuse: bool = True,
     format: str = "pt2",
-    executorch_backend: str = "xnnpack",
+    executorch_backend: str | None = None,
+    decode_method: bool | None = None,
+    max_autotune: str | None = None,
+    decode_gemv: bool = False,
     **model_info,
 ) -> tuple[Path, LoweredProgram, dict[str, float]]:
     """Export, run the passes and lower ``bundle`` to ``path``; returns timings in seconds. The
-    model is exported for inference: its parameters stop requiring grad."""
+    model is exported for inference: its parameters stop requiring grad. ``decode_method`` and
+    ``max_autotune`` default per device (pt2 only): :func:`default_decode_method`,
+    :func:`default_max_autotune`. For the executorch format the program is always exported on the
+    cpu (the cuda backend moves it to the device); ``executorch_backend`` defaults to ``xnnpack``
+    on cpu and ``cuda`` on cuda."""
+    pt2 = format == "pt2"
+    target_device = device
+    if not pt2:
+        device = "cpu"
+        if executorch_backend is None:
+            executorch_backend = "cuda" if target_device.startswith("cuda") else "xnnpack"
     impl = step_impl or default_step_impl(device)
+    if decode_method is None:
+        decode_method = pt2 and default_decode_method(device)
+    if max_autotune is None:
+        max_autotune = default_max_autotune(device) if pt2 else "none"
     model = bundle.model.to(device).requires_grad_(False)
     inputs = tuple(x.to(device) for x in bundle.example_inputs)
     timings: dict[str, float] = {}
@@ -193,10 +268,17 @@ def export_and_lower(
     timings["export_s"] = time.perf_counter() - t0
     progress(f"running passes (step impl: {impl})")
     t0 = time.perf_counter()
-    program = run_passes(ep, inputs, bundle.cache_config, impl, fuse=fuse)
+    if decode_gemv and not decode_method:
+        raise ExportError("the GEMV projections apply to the decode method; export with decode_method=True")
+    program = run_passes(
+        ep, inputs, bundle.cache_config, impl, fuse=fuse, decode_method=decode_method, decode_gemv=decode_gemv
+    )
     timings["passes_s"] = time.perf_counter() - t0
-    progress(f"compiling ({format}) for {device} (tens of seconds)")
+    progress(f"compiling ({format}) for {target_device} (tens of seconds per method)")
     t0 = time.perf_counter()
-    out = lower(program, path, device, format=format, executorch_backend=executorch_backend, **model_info)
+    out = lower(
+        program, path, target_device, format=format, executorch_backend=executorch_backend or "xnnpack",
+        max_autotune=max_autotune, progress=progress, **model_info,
+    )
     timings["compile_s"] = time.perf_counter() - t0
     return out, program, timings

@@ -5,7 +5,8 @@
 #      boundaries, chunked prefill, ring wrap), with ordinary launches and with CUDA-graph decode;
 #   3. benchmarks: decode latency at 1k/16k history with and without CUDA graphs, attention
 #      kernel time versus history.
-# Usage: scripts/gpu_check.sh OUT_DIR [--quick|--no-pytest]   (logs and results land in OUT_DIR)
+# Usage: scripts/gpu_check.sh OUT_DIR [--quick|--no-pytest|--checks-only]   (logs and results land in OUT_DIR)
+#   --quick: no benchmarks; --no-pytest: no CUDA tests; --checks-only: neither (export + checks only)
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_check.sh OUT_DIR}
 mkdir -p "$OUT"
@@ -20,7 +21,7 @@ print(torch.cuda.get_device_name(), torch.cuda.get_device_capability())
 PY
 
 MODE=${2:-}
-if [ "$MODE" != "--no-pytest" ]; then
+if [ "$MODE" != "--no-pytest" ] && [ "$MODE" != "--checks-only" ]; then
   step "pytest -m cuda"
   python3 -m pytest -m cuda -q -rs tests 2>&1 | tee "$OUT/pytest_cuda.log" | tail -5
   grep -qE "[0-9]+ passed" "$OUT/pytest_cuda.log" && ! grep -qE "[0-9]+ (failed|error)" "$OUT/pytest_cuda.log" || status=1
@@ -42,7 +43,7 @@ step "host overhead per decode step (prepare + commit; input values alone)"
 python3 scripts/bench_host_overhead.py "$ART" --steps 1000 > "$OUT/host_overhead.json" 2>"$OUT/host_overhead.log" || status=1
 grep -E "median|device" "$OUT/host_overhead.json" | tee -a "$OUT/summary.txt"
 
-if [ "$MODE" != "--quick" ]; then
+if [ "$MODE" != "--quick" ] && [ "$MODE" != "--checks-only" ]; then
   step "graph decode == eager-launch decode"
   python3 scripts/compare_graph_decode.py "$ART" 2>&1 | tee -a "$OUT/summary.txt" || status=1
   step "bench decode"

@@ -86,13 +86,13 @@ CASES = [
 @pytest.fixture
 def spied(loaded_example):
     """The loaded program under a fresh Artifact whose ``run`` counts its calls."""
-    artifact = Artifact(loaded_example.path, loaded_example.specs, loaded_example.compiled)
+    artifact = Artifact(loaded_example.path, loaded_example.specs, loaded_example.methods)
     real = artifact.run
     calls: list[int] = []
 
-    def run(flat_inputs):
+    def run(flat_inputs, width=None):
         calls.append(len(flat_inputs))
-        return real(flat_inputs)
+        return real(flat_inputs, width)
 
     artifact.run = run  # type: ignore[method-assign]
     return artifact, calls

@@ -53,6 +53,14 @@ def _cases(tmp_path: Path, artifact: Path) -> dict[str, tuple]:
                                    "initial_capacity=128 exceeds max_capacity=64"),
         "bad-ring": _case(["export", EXAMPLE, "-o", out, "--ring", "1=0"], "LAYER=WINDOW"),
         "triton-on-cpu": _case(["export", EXAMPLE, "-o", out, "--step-impl", "triton"], "runs on cuda only"),
+        "cuda-backend-on-cpu": _case(
+            ["export", EXAMPLE, "-o", str(tmp_path / "x.pte"), "--format", "executorch", "--executorch-backend", "cuda"],
+            "the cuda backend builds for cuda, not cpu",
+        ),
+        "decode-method-for-pte": _case(
+            ["export", EXAMPLE, "-o", str(tmp_path / "x.pte"), "--format", "executorch", "--decode-method"],
+            "--decode-method and --max-autotune are AOTInductor options",
+        ),
         "unknown-command": _case(["frobnicate"], "No such command"),
         "check-without-model": _case(["check", str(artifact)], "--model"),
         "check-zero-steps": _case(["check", str(artifact), "--model", EXAMPLE, "--steps", "0"], "--steps"),
@@ -82,7 +90,7 @@ CASE_NAMES = [
     "factory-raises", "factory-syntax-error", "factory-exits-0", "factory-missing-file",
     "factory-missing-function", "unknown-arg-name", "wrongly-typed-arg", "malformed-arg", "output-not-pt2",
     "output-under-a-file", "output-is-a-directory", "zero-max-capacity", "negative-max-write",
-    "initial-above-max", "bad-ring", "triton-on-cpu", "unknown-command", "check-without-model",
+    "initial-above-max", "bad-ring", "triton-on-cpu", "cuda-backend-on-cpu", "decode-method-for-pte", "unknown-command", "check-without-model",
     "check-zero-steps", "check-negative-prefill-chunks", "check-graphs-on-cpu-artifact",
     "check-missing-artifact", "run-zero-new-tokens", "run-prompt-and-tokens", "run-bad-tokens",
     "run-token-outside-vocabulary", "inspect-fifo", "inspect-directory", "hf-missing-directory",

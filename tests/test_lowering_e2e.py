@@ -12,11 +12,14 @@ from offgraph_export.specs import read_artifact_specs
 from tests.conftest import cli
 
 # Runs in a fresh interpreter with only torch: no offgraph_export import is needed to run a step.
+# The weights live beside the compiled code (data/weights), so torch's own loader is asked to load
+# them (``aoti_load_package`` alone would leave them unset).
 STANDALONE = textwrap.dedent(
     """
     import sys, torch
+    from torch.export.pt2_archive._package import load_pt2
     path, out = sys.argv[1], sys.argv[2]
-    model = torch._inductor.aoti_load_package(path)
+    model = load_pt2(path, load_weights_from_disk=True).aoti_runners["model"]
     torch.manual_seed(0)
     tokens = torch.randint(0, 256, (1, 40))
     # layer 0 flat (rows = capacity), layer 1 ring of 16 with max_write 32 -> 47 rows

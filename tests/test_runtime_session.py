@@ -246,7 +246,7 @@ def test_interleaved_sessions_match_solo_runs(loaded_example, example_bundle):
 
 def test_sessions_share_the_program_not_the_loader(loaded_example):
     """A second Artifact around the same compiled program: sessions need no reload."""
-    twin = Artifact(loaded_example.path, loaded_example.specs, loaded_example.compiled)
+    twin = Artifact(loaded_example.path, loaded_example.specs, loaded_example.methods)
     s1, s2 = loaded_example.new_session(), twin.new_session()
     assert s1.artifact.compiled is s2.artifact.compiled
     assert s1.storage is not s2.storage
@@ -264,6 +264,7 @@ def test_session_metrics(loaded_example, example_bundle):
     assert m.model_dump() == {
         "committed_length": 0, "capacity": 16, "growth_count": 0, "allocated_bytes": expected_bytes(16),
         "steps": 0, "failed_steps": 0, "refused_steps": 0, "graph_captures": 0, "graph_replays": 0,
+        "decode_method_steps": 0,
     }
     tokens = tokens_for(11, 40)
     session.step(*example_bundle.make_inputs(tokens[:, :20], 0))  # -> 32

@@ -180,7 +180,9 @@ CASES = [
 ]
 
 # Split-K settings small enough that short interpreter histories still split several ways.
-_SMALL_SPLITS = dict(_SPLIT_TARGET_PROGRAMS=8, _MAX_SPLITS=4, _MIN_SPLIT_KEYS=64)
+_SMALL_SPLITS = dict(
+    _SPLIT_TARGET_PROGRAMS=8, _MAX_SPLITS=4, _MIN_SPLIT_KEYS=64, _DECODE_MIN_SPLIT_KEYS=64
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,34 +222,40 @@ def test_interp_default_split_settings_long_decode():
 
 
 @interpreter_only
-def test_interp_decode_really_splits(monkeypatch):
-    """A decode step over a long history takes the split-K path and uses several splits: the
-    partial rows of exactly the splits the plan says get written (the buffers are NaN-filled
-    first), and the combine kernel merges them into the output compared above."""
+@pytest.mark.parametrize(
+    "kernel, width, part_m_arg",
+    [("_decode_attend_kernel", 1, 8), ("_attend_kernel", 2, 6)],
+    ids=["one_token_kernel", "split_variant"],
+)
+def test_interp_short_step_really_splits(monkeypatch, kernel, width, part_m_arg):
+    """A short step over a long history splits its keys several ways: the partial rows of
+    exactly the splits the plan says get written (the buffers are NaN-filled first), and the
+    combine kernel merges them into the output compared above. One token takes its own kernel
+    (row write folded in); two take the multi-token split variant."""
     for name, value in _SMALL_SPLITS.items():
         monkeypatch.setattr(triton_attend, name, value)
-    real = triton_attend._attend_kernel
+    real = getattr(triton_attend, kernel)
     partial_maxima = []
 
     class Spy:
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                if kwargs["SPLIT"] and grid[0] > 0:
-                    args[6].fill_(float("nan"))  # part_m
+                if kwargs.get("SPLIT", True) and grid[0] > 0:
+                    args[part_m_arg].fill_(float("nan"))
                     real[grid](*args, **kwargs)
-                    partial_maxima.append(args[6].clone())
+                    partial_maxima.append(args[part_m_arg].clone())
                 else:
                     real[grid](*args, **kwargs)
             return launch
 
-    monkeypatch.setattr(triton_attend, "_attend_kernel", Spy())
+    monkeypatch.setattr(triton_attend, kernel, Spy())
     monkeypatch.setattr(torch.library, "wrap_triton", lambda kernel: kernel)
-    # 331 visible keys, at most 4 splits of >= 64 keys in 64-key blocks: 3 chunks of 128.
-    run_session(Case("spy", hq=4, hkv=2, rows=400, history=330, steps=(1,)), "cpu")
+    # 330 or 331 keys, at most 4 splits of >= 64 keys in 64-key blocks: 3 chunks of 128.
+    run_session(Case("spy", hq=4, hkv=2, rows=400, history=330, steps=(width,)), "cpu")
     (part_m,) = partial_maxima  # [B * Hkv, splits, tile rows]
-    group = 2
-    assert torch.isfinite(part_m[:, :3, :group]).all(), part_m[:, :, :group]
-    assert part_m[:, 3:].isnan().all() and part_m[:, :, group:].isnan().all()
+    rows = 2 * width  # query rows: tokens x heads of the group
+    assert torch.isfinite(part_m[:, :3, :rows]).all(), part_m[:, :, :rows]
+    assert part_m[:, 3:].isnan().all() and part_m[:, :, rows:].isnan().all()
 
 
 @interpreter_only
@@ -504,3 +512,36 @@ def test_cuda_aoti_package_matches_portable(tmp_path):
             torch.testing.assert_close(got, want, atol=0, rtol=0, equal_nan=True)
         start += t
         assert k_flat[:, :, start:].isnan().all() and v_flat[:, :, start:].isnan().all(), where
+
+
+# ---------------------------------------------------------------------------------------------
+# The one-row GEMV of the decode method's projections (lowering/triton_gemv.py)
+# ---------------------------------------------------------------------------------------------
+
+
+@interpreter_only
+@pytest.mark.parametrize(
+    "n, k, dtype",
+    [(37, 300, torch.float32), (64, 1100, torch.bfloat16), (1, 512, torch.float32), (2048, 96, torch.float16)],
+)
+def test_interp_gemv_matches_linear(n, k, dtype):
+    """Odd sizes (partial row and column blocks), one row and many, 16-bit and fp32 weights;
+    against ``F.linear`` computed in fp32 and rounded like the kernel's output."""
+    from offgraph_export.lowering.triton_gemv import triton_gemv
+
+    gen = torch.Generator().manual_seed(n + k)
+    x = torch.randn(1, 1, k, generator=gen).to(dtype)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    got = triton_gemv(x, w)
+    want = torch.nn.functional.linear(x.float(), w.float()).to(dtype)
+    assert got.shape == (1, 1, n) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), **_tolerance(dtype))
+
+
+def test_gemv_applies_only_to_narrow_one_row_linears():
+    from offgraph_export.lowering.triton_gemv import MAX_GEMV_ROWS, gemv_applies
+
+    assert gemv_applies((1, 1, 2048), (3072, 2048))
+    assert not gemv_applies((1, 2, 2048), (3072, 2048))  # two rows
+    assert not gemv_applies((1, 1, 2048), (MAX_GEMV_ROWS + 1, 2048))  # wide: the compiler's GEMM
+    assert not gemv_applies((1, 1, 2048), (3072, 1024))  # mismatched K

@@ -140,12 +140,15 @@ def cli(debug: bool) -> None:
 @click.option("--ring", "rings", type=_Pairs(), multiple=True, help="Make LAYER a sliding-window layer: LAYER=WINDOW (repeatable).")
 @click.option("--all-flat", is_flag=True, help="Ignore the factory's ring layers: every layer keeps all history.")
 @click.option("--step-impl", type=click.Choice(["portable", "triton"]), help="Lowered step implementation (default: triton on cuda, portable on cpu).")
-@click.option("--format", "fmt", type=click.Choice(["pt2", "executorch"]), default="pt2", show_default=True, help="pt2: an AOTInductor package; executorch: an ExecuTorch .pte (cpu).")
-@click.option("--executorch-backend", type=click.Choice(["xnnpack", "portable"]), default="xnnpack", show_default=True, help="With --format executorch: delegate to XNNPACK where it applies, or portable kernels only.")
+@click.option("--format", "fmt", type=click.Choice(["pt2", "executorch"]), default="pt2", show_default=True, help="pt2: an AOTInductor package; executorch: an ExecuTorch .pte (cpu, or cuda with its .ptd).")
+@click.option("--executorch-backend", type=click.Choice(["xnnpack", "portable", "cuda"]), help="With --format executorch: on cpu delegate to XNNPACK where it applies (default) or use portable kernels only; on cuda the CUDA delegate (default; writes the .pte and its .ptd data file).")
 @click.option("--fuse-projections/--no-fuse-projections", "fuse", default=True, show_default=True, help="Fuse sibling projections (q/k/v, gate/up) into one GEMM each.")
+@click.option("--decode-method/--no-decode-method", "decode_method", default=None, help="Also compile a one-token decode method with static shapes, used for every width-1 step (default: on for cuda, off for cpu; pt2 only).")
+@click.option("--max-autotune", type=click.Choice(["none", "decode", "all"]), help="Which methods inductor compiles with max-autotune (GEMM kernels chosen by timing them on the device; slower compile). Default: decode on cuda, none on cpu; pt2 only.")
+@click.option("--decode-gemv", is_flag=True, help="In the decode method, run projections of at most 8192 outputs with the Triton GEMV kernel instead of the compiler's GEMM (cuda).")
 @click.option("-a", "--arg", "factory_args", multiple=True, metavar="NAME=VALUE", help="Keyword argument for the model factory (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
-def export(model_factory, output, device, max_capacity, initial_capacity, max_write, dtype, rings, all_flat, step_impl, fmt, executorch_backend, fuse, factory_args, as_json):
+def export(model_factory, output, device, max_capacity, initial_capacity, max_write, dtype, rings, all_flat, step_impl, fmt, executorch_backend, fuse, decode_method, max_autotune, decode_gemv, factory_args, as_json):
     """Export MODEL_FACTORY (FILE.py:FUNCTION or package.module:FUNCTION) to a .pt2 artifact."""
     from offgraph_export.frontends import canonical_reference, load_bundle
     from offgraph_export.frontends.factory import parse_factory_args
@@ -153,9 +156,31 @@ def export(model_factory, output, device, max_capacity, initial_capacity, max_wr
     from offgraph_export.pipeline import export_and_lower
 
     _check_output(output, ".pte" if fmt == "executorch" else ".pt2")
-    if fmt == "executorch" and device != "cpu":
-        raise click.BadParameter("the executorch format is built for cpu here", param_hint="'--device'")
+    if fmt == "executorch" and executorch_backend is not None:
+        from offgraph_export.lowering.executorch import BACKEND_DEVICE
+
+        if BACKEND_DEVICE[executorch_backend] != device:
+            raise click.BadParameter(
+                f"the {executorch_backend} backend builds for {BACKEND_DEVICE[executorch_backend]}, not {device}",
+                param_hint="'--executorch-backend'",
+            )
+    if fmt == "executorch" and (decode_method or max_autotune not in (None, "none")):
+        raise click.BadParameter(
+            "--decode-method and --max-autotune are AOTInductor options; drop them for --format executorch",
+            param_hint="'--format'",
+        )
     _check_device(device, step_impl)
+    if decode_gemv and (device != "cuda" or fmt != "pt2" or decode_method is False):
+        raise click.BadParameter(
+            "--decode-gemv is a cuda kernel for the pt2 decode method: use it with --device cuda "
+            "and without --no-decode-method",
+            param_hint="'--decode-gemv'",
+        )
+    if fmt == "executorch" and step_impl == "triton":
+        raise click.BadParameter(
+            "the executorch format exports on cpu with the portable step; drop --step-impl triton",
+            param_hint="'--step-impl'",
+        )
     args = parse_factory_args(factory_args)
     _say(f"building {model_factory}")
     bundle = cast_bundle(load_bundle(model_factory, **args), dtype)
@@ -166,6 +191,7 @@ def export(model_factory, output, device, max_capacity, initial_capacity, max_wr
     started = time.perf_counter()
     path, program, timings = export_and_lower(
         replace(bundle, cache_config=config), output, device=device, step_impl=step_impl, fuse=fuse, format=fmt, executorch_backend=executorch_backend,
+        decode_method=decode_method, max_autotune=max_autotune, decode_gemv=decode_gemv,
         progress=lambda m: _say(f"[{time.perf_counter() - started:6.1f}s] {m}"),
         model=canonical_reference(model_factory), model_args=args, model_dtype=dtype,
     )
@@ -173,7 +199,7 @@ def export(model_factory, output, device, max_capacity, initial_capacity, max_wr
     summary = {
         "artifact": str(path), "device": device, "step_impl": program.step_impl,
         "step_width": program.step_width.format(), "layers": len(program.manifest.layers),
-        "bytes": size, **{k: round(v, 3) for k, v in timings.items()},
+        "methods": list(program.programs) if fmt == "pt2" else ["forward"], "bytes": size, **{k: round(v, 3) for k, v in timings.items()},
     }
     if as_json:
         click.echo(json.dumps(summary))
@@ -209,6 +235,9 @@ def inspect(artifact, as_json):
         f"'{specs.inputs[specs.step_width.input_index].name}', dim {specs.step_width.dim})",
         f"cache         {m.storage_dtype}, batch {m.batch_size}, capacity {m.initial_capacity} -> "
         f"{m.max_capacity} tokens, max_write {m.max_write}",
+        f"methods       {', '.join(specs.methods)}"
+        + ("  (decode: width 1, static shapes)" if specs.decode_method else ""),
+        f"options       {', '.join(f'{k}={v}' for k, v in specs.options.items()) or '-'}",
         "",
         "inputs",
     ]

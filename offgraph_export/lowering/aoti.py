@@ -1,59 +1,114 @@
-"""Lower a stripped program through AOTInductor to a ``.pt2`` package with the specs embedded.
+"""Lower stripped programs through AOTInductor to one ``.pt2`` package with the specs embedded.
 
-The specs go in twice: as AOTI metadata (``loader.get_metadata()`` returns them next to the code
-they describe) and as a JSON entry of the archive (readable with ``zipfile``, without loading the
-compiled code). The package is built under a temporary name and moved into place only when
-complete, so a failed compile never leaves a half-written artifact at the requested path.
+The package holds one compiled program per method (:data:`STEP_METHOD`, and :data:`DECODE_METHOD`
+when the specs say so), each under its AOTI model name. The weights are stored outside the
+compiled code (``data/weights``, with a per-method ``weights_config.json``), where the packager
+stores a tensor both methods use only once; the runtime loads them once and hands the same
+tensors to both methods (:mod:`offgraph_export.runtime.weights`).
+
+The specs go in twice: as each method's AOTI metadata (``loader.get_metadata()`` returns them next
+to the code they describe, with the method's own program description) and as a JSON entry of the
+archive (readable with ``zipfile``, without loading the compiled code). The package is built under
+a temporary name and moved into place only when complete, so a failed compile never leaves a
+half-written artifact at the requested path.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from torch.export import ExportedProgram
 
+from offgraph_export.compat import unlifted_module
 from offgraph_export.errors import ExportError
-from offgraph_export.specs.artifact import PROGRAM_KEY, ArtifactSpecs, write_artifact_specs
+from offgraph_export.specs.artifact import (
+    METHOD_KEY,
+    PROGRAM_KEY,
+    STEP_METHOD,
+    ArtifactSpecs,
+    write_artifact_specs,
+)
 from offgraph_export.specs.manifest import MANIFEST_KEY
 from offgraph_export.specs.step_width import STEP_WIDTH_KEY
 
-__all__ = ["compile_package", "aoti_metadata"]
+__all__ = ["AUTOTUNE_CHOICES", "compile_package", "aoti_metadata", "inductor_configs", "autotuned"]
+
+#: ``max_autotune`` option values: which methods' GEMMs inductor tunes by benchmarking candidates
+#: on the device at compile time (slower compile, faster small-batch GEMMs).
+AUTOTUNE_CHOICES = ("none", "decode", "all")
 
 
-def aoti_metadata(specs: ArtifactSpecs) -> dict[str, str]:
+def aoti_metadata(specs: ArtifactSpecs, method: str = STEP_METHOD) -> dict[str, str]:
     return {
         STEP_WIDTH_KEY: specs.step_width.format(),
         MANIFEST_KEY: specs.manifest.to_json(),
-        PROGRAM_KEY: specs.program_description(),
+        PROGRAM_KEY: specs.program_description(method),
+        METHOD_KEY: method,
     }
 
 
-def compile_package(ep: ExportedProgram, path: str | os.PathLike, specs: ArtifactSpecs) -> Path:
-    """AOT-compile ``ep`` for ``specs.device`` into ``path`` (a ``.pt2``)."""
-    from torch._inductor import aoti_compile_and_package
+def autotuned(specs: ArtifactSpecs, method: str) -> bool:
+    """Whether ``method`` is compiled with max-autotune, per ``specs.options["max_autotune"]``."""
+    choice = specs.options.get("max_autotune", "none")
+    return choice == "all" or (choice == "decode" and method != STEP_METHOD)
+
+
+def inductor_configs(specs: ArtifactSpecs, method: str) -> dict[str, Any]:
+    """The inductor options ``method`` is compiled with: metadata, weights kept out of the
+    compiled library (so methods share them), and max-autotune where the specs ask for it."""
+    configs: dict[str, Any] = {
+        "aot_inductor.package": True,
+        "aot_inductor.metadata": aoti_metadata(specs, method),
+        "aot_inductor.package_constants_in_so": False,
+        "aot_inductor.package_constants_on_disk_format": "pickle_weights",
+    }
+    if autotuned(specs, method):
+        configs["max_autotune"] = True
+    return configs
+
+
+def compile_package(
+    programs: Mapping[str, ExportedProgram],
+    path: str | os.PathLike,
+    specs: ArtifactSpecs,
+    progress: Callable[[str], None] = lambda _: None,
+) -> Path:
+    """AOT-compile each of ``programs`` (method name -> program, exactly ``specs.methods``) for
+    ``specs.device`` into one package at ``path`` (a ``.pt2``)."""
+    from torch._inductor import aot_compile
+    from torch._inductor.package import package_aoti
 
     target = Path(path)
     if target.suffix != ".pt2":
         raise ExportError(f"artifact path {str(target)!r} must end in .pt2")
+    if sorted(programs) != sorted(specs.methods):
+        raise ExportError(f"got programs for methods {sorted(programs)}, the specs name {specs.methods}")
     target.parent.mkdir(parents=True, exist_ok=True)
     # The archive's root folder is named after the file stem, so keep the stem.
     tmp_dir = Path(tempfile.mkdtemp(prefix=".offgraph-", dir=target.parent))
     tmp = tmp_dir / target.name
     try:
+        files: dict[str, list[Any]] = {}
+        for method in specs.methods:
+            ep = programs[method]
+            tuned = " with max-autotune" if autotuned(specs, method) else ""
+            progress(f"compiling method {method!r} for {specs.device}{tuned}")
+            args, kwargs = ep.example_inputs
+            try:
+                files[method] = aot_compile(unlifted_module(ep), args, kwargs, options=inductor_configs(specs, method))
+            except Exception as exc:  # inductor raises many types; keep the cause chained
+                raise ExportError(f"AOTInductor compile of method {method!r} for {specs.device} failed: {exc}") from exc
         try:
-            aoti_compile_and_package(
-                ep,
-                package_path=str(tmp),
-                inductor_configs={"aot_inductor.metadata": aoti_metadata(specs)},
-            )
-        except Exception as exc:  # inductor raises many types; keep the cause chained
-            raise ExportError(f"AOTInductor compile for {specs.device} failed: {exc}") from exc
+            package_aoti(str(tmp), files)
+        except Exception as exc:
+            raise ExportError(f"packaging the compiled methods failed: {exc}") from exc
         write_artifact_specs(tmp, specs)
         os.replace(tmp, target)
     finally:
-        if tmp.exists():
-            tmp.unlink()
-        tmp_dir.rmdir()
+        shutil.rmtree(tmp_dir, ignore_errors=True)
     return target

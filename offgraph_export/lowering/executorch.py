@@ -1,5 +1,5 @@
 """Lower a stripped program to an ExecuTorch ``.pte`` (CPU: portable kernels, or XNNPACK where it
-applies), specs embedded.
+applies; CUDA: ExecuTorch's AOTInductor-driven CUDA delegate), specs embedded.
 
 The same stripped program as the ``.pt2``: model inputs, then the storage inputs the runtime binds.
 Every XNNPACK delegate carries the specs as CompileSpecs with the same keys and encodings as the
@@ -13,6 +13,13 @@ methods of the program (ExecuTorch's own way to attach values to a ``.pte``): ``
 program description) and ``offgraph_specs`` (the whole :class:`ArtifactSpecs` JSON). They are read
 back with ExecuTorch's flatbuffer deserializer, which is plain Python: no native code is loaded.
 
+With the ``cuda`` backend the program is exported on the CPU and ``CudaPartitioner`` moves it to
+the device and compiles it with AOTInductor; the compiled library and weights go to a separate
+data file, written beside the ``.pte`` as ``<stem>.ptd`` (ExecuTorch's ``aoti_cuda_blob``), which a
+CUDA-enabled ExecuTorch runtime loads with the program. The pip runtime has no CUDA backend, so
+such a program can be built and inspected here but not run (:class:`~offgraph_export.runtime.pte_artifact.PteArtifact`
+refuses it with that reason).
+
 ExecuTorch plans graph inputs into its own memory (``alloc_graph_input=True``, the default kept
 here): the mutated storage comes back as the program's leading outputs and the caller's tensors are
 not written, so the runtime copies those outputs back into its storage
@@ -23,6 +30,7 @@ silently keep a stale internal copy, so it is never used.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -36,15 +44,20 @@ from offgraph_export.specs.step_width import STEP_WIDTH_KEY, StepWidthSpec, form
 
 __all__ = [
     "BACKENDS",
+    "BACKEND_DEVICE",
     "SPECS_METHOD",
+    "data_path",
     "compile_pte",
     "delegate_width_specs",
     "read_pte_constants",
     "read_pte_specs",
 ]
 
-#: What lowers the program's ops: ExecuTorch's portable kernels alone, or XNNPACK where it applies.
-BACKENDS = ("xnnpack", "portable")
+#: What lowers the program's ops: ExecuTorch's portable kernels alone, XNNPACK where it applies
+#: (both cpu), or the CUDA delegate (the whole program, compiled by AOTInductor).
+BACKENDS = ("xnnpack", "portable", "cuda")
+#: The device each backend's program runs on.
+BACKEND_DEVICE = {"xnnpack": "cpu", "portable": "cpu", "cuda": "cuda"}
 
 #: Constant method holding the whole ArtifactSpecs JSON.
 SPECS_METHOD = "offgraph_specs"
@@ -83,7 +96,17 @@ def _partitioners(backend: str) -> list:
         from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 
         return [XnnpackPartitioner()]
+    if backend == "cuda":
+        from executorch.backends.cuda.cuda_backend import CudaBackend
+        from executorch.backends.cuda.cuda_partitioner import CudaPartitioner
+
+        return [CudaPartitioner([CudaBackend.generate_method_name_compile_spec("forward")])]
     raise ExportError(f"unknown executorch backend {backend!r}; expected one of {BACKENDS}")
+
+
+def data_path(path: str | os.PathLike) -> Path:
+    """Where the external data of the ``.pte`` at ``path`` goes (``<stem>.ptd``, cuda backend)."""
+    return Path(path).with_suffix(".ptd")
 
 
 def _attach_delegate_specs(edge: object, specs: ArtifactSpecs) -> None:
@@ -149,15 +172,24 @@ def compile_pte(
     target = Path(path)
     if target.suffix != ".pte":
         raise ExportError(f"artifact path {str(target)!r} must end in .pte")
-    if specs.device != "cpu":
-        raise ExportError("the executorch format is built for cpu here (the CUDA delegate is not wired yet)")
+    if backend not in BACKENDS:
+        raise ExportError(f"unknown executorch backend {backend!r}; expected one of {BACKENDS}")
+    if specs.device != BACKEND_DEVICE[backend]:
+        raise ExportError(
+            f"the {backend!r} executorch backend builds for {BACKEND_DEVICE[backend]}, not {specs.device}"
+        )
     backend_config, to_edge_transform_and_lower = _executorch()
     grads = [name for name, p in ep.named_parameters() if p.requires_grad]
     if grads:
         raise ExportError(f"parameters {grads[:3]} require grad; export the model with requires_grad_(False)")
+    extra = {}
+    if backend == "cuda":
+        from executorch.exir import EdgeCompileConfig
+
+        extra["compile_config"] = EdgeCompileConfig(_check_ir_validity=False)
     try:
         edge = to_edge_transform_and_lower(
-            ep, partitioner=_partitioners(backend), constant_methods=spec_constants(specs)
+            ep, partitioner=_partitioners(backend), constant_methods=spec_constants(specs), **extra
         )
         _attach_delegate_specs(edge, specs)
         program = edge.to_executorch(backend_config())
@@ -167,14 +199,18 @@ def compile_pte(
         raise ExportError(f"ExecuTorch lowering failed: {exc}") from exc
     _verify_delegate_widths(program.buffer, specs)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".offgraph-", suffix=".pte", dir=target.parent)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=".offgraph-", dir=target.parent))
     try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(program.buffer)
-        os.replace(tmp, target)
+        (tmp_dir / target.name).write_bytes(program.buffer)
+        if backend == "cuda":
+            program.write_tensor_data_to_file(str(tmp_dir))
+            blobs = sorted(tmp_dir.glob("*.ptd"))
+            if len(blobs) != 1:
+                raise ExportError(f"expected one external data file from the cuda backend, got {[b.name for b in blobs]}")
+            os.replace(blobs[0], data_path(target))
+        os.replace(tmp_dir / target.name, target)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        shutil.rmtree(tmp_dir, ignore_errors=True)
     return target
 
 

@@ -48,6 +48,16 @@ eagerly and in AOTInductor alike). No Python ``if`` on ``T``, which export would
 
 Both variants are complete implementations, so whichever one a compiler ends up keeping for a given
 ``T`` gives the right answer; the choice only affects speed.
+
+One-token steps (the decode method)
+-----------------------------------
+Where ``T`` is the constant 1 (the decode method is traced with it; an eager one-token call too),
+the step takes two launches instead of three: ``_decode_attend_kernel`` attends the group's query
+heads over the stored positions ``[lo, p)`` split across programs sized to the SM count, adds the
+new position from ``k``/``v`` directly (rounded to the storage dtype) in split 0, and split 0 also
+writes the new row, so no program waits for the write; ``_decode_combine_kernel`` then merges the
+partial rows, all splits of a head loaded at once. With a single split in use the output is
+written directly and the combine does nothing.
 """
 
 import math
@@ -101,6 +111,9 @@ _MAX_SPLITS = 64
 #: A split gets at least this many keys, so short histories are not cut into tiny pieces (each
 #: split writes a partial row and costs a program).
 _MIN_SPLIT_KEYS = 256
+#: The same for a one-token step (:func:`_decode_attend_kernel`): a program's loop over its keys
+#: is short, so a short history still spreads over several programs.
+_DECODE_MIN_SPLIT_KEYS = 128
 #: Query-tile height of the tiled (prefill) variant.
 _TILED_BLOCK_M = 64
 #: Keeps ``small`` in {0, 1} for any T below it: see :func:`_is_small_step`.
@@ -402,6 +415,173 @@ def _combine_splits_kernel(
     tl.store(out_tile, result, mask=merged[:, None] & (offs_dv[None, :] < V_DIM))
 
 
+@triton.jit
+def _decode_attend_kernel(
+    q_ptr, k_ptr, v_ptr, k_store_ptr, v_store_ptr, pos_ptr, out_ptr,
+    part_acc_ptr, part_m_ptr, part_l_ptr,
+    sq_b, sq_h, sq_d,
+    sk_b, sk_h, sk_d,
+    sv_b, sv_h, sv_d,
+    sks_b, sks_h, sks_r,
+    svs_b, svs_h, svs_r,
+    so_b, so_h,
+    rows, window, n_kv_heads, qk_scale, num_splits,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MIN_SPLIT_KEYS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    QK_FP32: tl.constexpr, PV_FP32: tl.constexpr,
+):
+    """Program (b * Hkv + kv head, split) of a one-token step: the row write and the attention of
+    the ``GROUP`` query heads of one kv head in one launch.
+
+    The new token's key and value are taken from ``k``/``v`` (rounded to the storage dtype, as
+    the stored row will be), not read back from storage, so no program waits for the write: the
+    stored positions attended are ``[lo, p)``, ``p`` the step's position, cut into splits like
+    the multi-token split variant (:func:`_split_plan`), and split 0 adds the new position and
+    writes its row (dropped, as in :func:`_write_rows_kernel`, when the storage cannot hold it).
+    Row ``p mod rows`` is never among the rows read: a flat layer has not written it before and
+    in a ring it holds position ``p - rows < lo``. One split in use writes the output; several
+    leave partial ``(max, sum, acc)`` rows for :func:`_decode_combine_kernel`."""
+    pid_bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = (pid_bh // n_kv_heads).to(tl.int64)
+    kvh = (pid_bh % n_kv_heads).to(tl.int64)
+    pos = tl.load(pos_ptr).to(tl.int32)
+    lo = tl.maximum(pos - rows + 1, 0)
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, pos - window + 1)
+    chunk, n_used = _split_plan(lo, pos, num_splits, MIN_SPLIT_KEYS, BLOCK_N)
+    k_lo = lo + split * chunk
+    k_hi = tl.minimum(k_lo + chunk, pos)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    row_ok = offs_m < GROUP
+    head = kvh * GROUP + offs_m
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < V_DIM
+    q = tl.load(
+        q_ptr + b * sq_b + head[:, None] * sq_h + offs_d[None, :] * sq_d,
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    if QK_FP32:
+        q = q.to(tl.float32)
+    k_base = k_store_ptr + b * sks_b + kvh * sks_h
+    v_base = v_store_ptr + b * svs_b + kvh * svs_h
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    for start in range(k_lo, k_hi, BLOCK_N):
+        p_abs = start + tl.arange(0, BLOCK_N)
+        key_ok = p_abs < k_hi
+        key_row = _storage_row(p_abs, rows)
+        k = tl.load(
+            k_base + key_row[None, :] * sks_r + offs_d[:, None],
+            mask=key_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )
+        if QK_FP32:
+            s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        s = (s * qk_scale).to(tl.float32)
+        s = tl.where(key_ok[None, :] & row_ok[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            v_base + key_row[:, None] * svs_r + offs_dv[None, :],
+            mask=key_ok[:, None] & dv_ok[None, :],
+            other=0.0,
+        )
+        if PV_FP32:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    # Split 0: the step's own position, from k/v as the storage will hold them, and its row write.
+    first = split == 0
+    new_key = tl.load(k_ptr + b * sk_b + kvh * sk_h + offs_d * sk_d, mask=d_ok, other=0.0)
+    new_key = new_key.to(k_store_ptr.dtype.element_ty)
+    new_val = tl.load(v_ptr + b * sv_b + kvh * sv_h + offs_dv * sv_d, mask=dv_ok, other=0.0)
+    new_val = new_val.to(v_store_ptr.dtype.element_ty)
+    s_new = tl.sum(q.to(tl.float32) * new_key.to(tl.float32)[None, :], axis=1) * qk_scale
+    s_new = tl.where(row_ok & first, s_new.to(tl.float32), float("-inf"))
+    m_new = tl.maximum(m_i, s_new)
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p_new = tl.exp2(s_new - m_ref)
+    l_i = l_i * alpha + p_new
+    acc = acc * alpha[:, None] + p_new[:, None] * new_val.to(tl.float32)[None, :]
+    m_i = m_new
+    in_range = (pos >= 0) & ((pos < rows) | HAS_WINDOW)
+    row = _storage_row(pos, rows)
+    write = first & in_range
+    tl.store(k_base + row * sks_r + offs_d, new_key, mask=offs_d < tl.where(write, HEAD_DIM, 0))
+    tl.store(v_base + row * svs_r + offs_dv, new_val, mask=offs_dv < tl.where(write, V_DIM, 0))
+
+    out_tile = out_ptr + b * so_b + head[:, None] * so_h + offs_dv[None, :]
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    result = (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty)
+    direct = _rows_if(offs_m, GROUP, (n_used == 1) & first)
+    tl.store(out_tile, result, mask=direct[:, None] & dv_ok[None, :])
+    part_row = (pid_bh.to(tl.int64) * num_splits + split) * BLOCK_M + offs_m
+    keep = _rows_if(offs_m, GROUP, (n_used > 1) & (split < n_used))
+    tl.store(part_m_ptr + part_row, m_i, mask=keep)
+    tl.store(part_l_ptr + part_row, l_i, mask=keep)
+    tl.store(part_acc_ptr + part_row[:, None] * BLOCK_DV + offs_dv[None, :], acc, mask=keep[:, None])
+
+
+@triton.jit
+def _decode_combine_kernel(
+    pos_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+    so_b, so_h,
+    rows, window, n_kv_heads, num_splits,
+    GROUP: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+    MIN_SPLIT_KEYS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):
+    """Program (b * Hkv + kv head, query head in the group) of a one-token step: merge the head's
+    partial rows, all splits loaded at once (one round trip to memory rather than a loop of
+    dependent loads): ``out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M)``. It recomputes the
+    attention kernel's split plan; with a single split the output was already written."""
+    pid_bh = tl.program_id(0)
+    g = tl.program_id(1)
+    b = (pid_bh // n_kv_heads).to(tl.int64)
+    kvh = (pid_bh % n_kv_heads).to(tl.int64)
+    pos = tl.load(pos_ptr).to(tl.int32)
+    lo = tl.maximum(pos - rows + 1, 0)
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, pos - window + 1)
+    chunk, n_used = _split_plan(lo, pos, num_splits, MIN_SPLIT_KEYS, BLOCK_N)
+    n_merge = tl.where(n_used > 1, n_used, 0)
+    offs_s = tl.arange(0, BLOCK_S)
+    s_ok = offs_s < n_merge
+    offs_dv = tl.arange(0, BLOCK_DV)
+    part_row = (pid_bh.to(tl.int64) * num_splits + offs_s) * BLOCK_M + g
+    m_s = tl.load(part_m_ptr + part_row, mask=s_ok, other=float("-inf"))
+    l_s = tl.load(part_l_ptr + part_row, mask=s_ok, other=0.0)
+    acc_s = tl.load(part_acc_ptr + part_row[:, None] * BLOCK_DV + offs_dv[None, :], mask=s_ok[:, None], other=0.0)
+    m = tl.max(m_s, axis=0)
+    m_ref = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(m_s - m_ref)
+    l = tl.sum(l_s * w, axis=0)
+    acc = tl.sum(acc_s * w[:, None], axis=0)
+    l_safe = tl.where(l > 0.0, l, 1.0)
+    out = out_ptr + b * so_b + (kvh * GROUP + g) * so_h + offs_dv
+    tl.store(out, (acc / l_safe).to(out_ptr.dtype.element_ty), mask=offs_dv < tl.where(n_used > 1, V_DIM, 0))
+
+
 # ---------------------------------------------------------------------------------------------
 # Host side: shape arithmetic that works on ints and SymInts alike
 # ---------------------------------------------------------------------------------------------
@@ -440,6 +620,53 @@ def _num_splits(b, hkv: int) -> int:
     if not isinstance(heads, int):
         return 16
     return max(1, min(_MAX_SPLITS, _SPLIT_TARGET_PROGRAMS // max(1, heads)))
+
+
+def _decode_splits(b, hkv: int, device: torch.device) -> int:
+    """Splits of a one-token step: enough that ``B * Hkv * splits`` programs put two on every SM
+    of ``device`` (its SM count read at trace time; :data:`_SPLIT_TARGET_PROGRAMS` elsewhere)."""
+    heads = b * hkv
+    if not isinstance(heads, int):
+        return 16
+    target = _SPLIT_TARGET_PROGRAMS
+    if device.type == "cuda" and not _INTERPRETED:
+        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(_MAX_SPLITS, -(-target // max(1, heads))))
+
+
+def _decode_step(q, k, v, pos, k_store, v_store, window, scale, out_dtype, out, common) -> torch.Tensor:
+    """A one-token step in two launches (:func:`_decode_attend_kernel`, which also writes the
+    row, then :func:`_decode_combine_kernel`)."""
+    b, hq, _, _ = q.shape
+    hkv = k.shape[1]
+    group = int(hq // hkv)
+    block_m = _pow2_at_least(group)
+    splits = _decode_splits(b, hkv, q.device)
+    block_dv = common["BLOCK_DV"]
+    rows = k_store.shape[2]
+    window_arg = window if window is not None else 0
+    part_acc = torch.empty((b * hkv, splits, block_m, block_dv), dtype=torch.float32, device=q.device)
+    part_m = torch.empty((b * hkv, splits, block_m), dtype=torch.float32, device=q.device)
+    part_l = torch.empty((b * hkv, splits, block_m), dtype=torch.float32, device=q.device)
+    qk_scale = float(scale) * math.log2(math.e)
+    wrap_triton = torch.library.wrap_triton
+    wrap_triton(_decode_attend_kernel)[(b * hkv, splits, 1)](
+        q, k, v, k_store, v_store, pos, out, part_acc, part_m, part_l,
+        q.stride(0), q.stride(1), q.stride(3),
+        k.stride(0), k.stride(1), k.stride(3),
+        v.stride(0), v.stride(1), v.stride(3),
+        *k_store.stride()[:3], *v_store.stride()[:3], out.stride(0), out.stride(1),
+        rows, window_arg, hkv, qk_scale, splits,
+        BLOCK_M=block_m, MIN_SPLIT_KEYS=_DECODE_MIN_SPLIT_KEYS, **common,
+    )
+    wrap_triton(_decode_combine_kernel)[(b * hkv, group, 1)](
+        pos, out, part_acc, part_m, part_l, out.stride(0), out.stride(1),
+        rows, window_arg, hkv, splits,
+        GROUP=group, V_DIM=common["V_DIM"], BLOCK_DV=block_dv, BLOCK_M=block_m,
+        BLOCK_N=common["BLOCK_N"], BLOCK_S=_pow2_at_least(splits, floor=2),
+        MIN_SPLIT_KEYS=_DECODE_MIN_SPLIT_KEYS, HAS_WINDOW=common["HAS_WINDOW"],
+    )
+    return out
 
 
 def _statically_zero(n) -> bool:
@@ -483,6 +710,21 @@ def _lowered_step(
     block_dv = _pow2_at_least(dv)
     out = torch.empty((b, hq, t, dv), dtype=out_dtype, device=q.device)
 
+    sixteen_bit = (torch.float16,) if _INTERPRETED else (torch.float16, torch.bfloat16)
+    qk_fp32 = not (q.dtype == k_store.dtype and k_store.dtype in sixteen_bit)
+    pv_fp32 = v_store.dtype not in sixteen_bit
+    # Key block: 64 rows while a K/V tile row is <= 256 bytes (bf16 x 128), else 32, so the
+    # pipelined K and V tiles stay well inside shared memory (fp32 x 128, 16-bit x 256).
+    row_bytes = max(block_d, block_dv) * k_store.element_size()
+    block_n = 64 if row_bytes <= 256 else 32
+    common = dict(
+        GROUP=group, HEAD_DIM=d, V_DIM=dv, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_N=block_n,
+        HAS_WINDOW=has_window, QK_FP32=qk_fp32, PV_FP32=pv_fp32,
+    )
+    if isinstance(t, int) and t == 1:
+        # A concrete one-token step (the decode method, or an eager call): its own kernels.
+        return _decode_step(q, k, v, pos, k_store, v_store, window, scale, out_dtype, out, common)
+
     wrap_triton = torch.library.wrap_triton
     wrap_triton(_write_rows_kernel)[(t, b * hkv, 1)](
         k, v, pos, k_store, v_store,
@@ -491,18 +733,8 @@ def _lowered_step(
         HEAD_DIM=d, V_DIM=dv, BLOCK_D=block_d, BLOCK_DV=block_dv, HAS_WINDOW=has_window,
     )
 
-    sixteen_bit = (torch.float16,) if _INTERPRETED else (torch.float16, torch.bfloat16)
-    qk_fp32 = not (q.dtype == k_store.dtype and k_store.dtype in sixteen_bit)
-    pv_fp32 = v_store.dtype not in sixteen_bit
-    # Key block: 64 rows while a K/V tile row is <= 256 bytes (bf16 x 128), else 32, so the
-    # pipelined K and V tiles stay well inside shared memory (fp32 x 128, 16-bit x 256).
-    row_bytes = max(block_d, block_dv) * k_store.element_size()
-    block_n = 64 if row_bytes <= 256 else 32
     qk_scale = float(scale) * math.log2(math.e)
-    common = dict(
-        GROUP=group, HEAD_DIM=d, V_DIM=dv, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_N=block_n,
-        MIN_SPLIT_KEYS=_MIN_SPLIT_KEYS, HAS_WINDOW=has_window, QK_FP32=qk_fp32, PV_FP32=pv_fp32,
-    )
+    common["MIN_SPLIT_KEYS"] = _MIN_SPLIT_KEYS
     strides = (*q.stride(), *k_store.stride()[:3], *v_store.stride()[:3], *out.stride()[:3])
     scalars = (pos.stride(0), t, rows, window_arg, hkv, qk_scale)
 

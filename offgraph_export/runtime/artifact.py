@@ -1,6 +1,8 @@
 """Load a ``.pt2`` artifact: the archive's entries first (names, links, checksums: nothing is
-extracted from a bad archive), then its specs (no code), then the compiled program, then
-cross-check the two before any step runs.
+extracted from a bad archive), then its specs (no code), then each method's compiled program,
+cross-checked against the specs, then the weights, loaded once and shared by the methods, before
+any step runs. :meth:`Artifact.run` picks the method by the step's width: the decode method
+(static width 1) when the package has one, the general step otherwise.
 
 Loading a compiled package runs native code: load only artifacts you trust. These checks refuse
 corrupt, inconsistent or path-traversing archives; they cannot make a malicious library safe."""
@@ -14,7 +16,16 @@ from pathlib import Path
 import torch
 
 from offgraph_export.errors import ArtifactError, SpecError
-from offgraph_export.specs.artifact import PROGRAM_KEY, ArtifactSpecs, read_artifact_specs
+from offgraph_export.runtime.weights import load_method_weights, package_methods
+from offgraph_export.specs.archive import check_archive
+from offgraph_export.specs.artifact import (
+    DECODE_METHOD,
+    METHOD_KEY,
+    PROGRAM_KEY,
+    STEP_METHOD,
+    ArtifactSpecs,
+    read_artifact_specs,
+)
 from offgraph_export.specs.manifest import MANIFEST_KEY, parse_manifest
 from offgraph_export.specs.step_width import STEP_WIDTH_KEY, parse_step_width
 
@@ -22,13 +33,16 @@ __all__ = ["Artifact"]
 
 
 class Artifact:
-    """A loaded program and its specs. One artifact serves many sessions (weights loaded once)."""
+    """A loaded program (one compiled method per entry of ``specs.methods``) and its specs. One
+    artifact serves many sessions (weights loaded once)."""
 
-    def __init__(self, path: Path, specs: ArtifactSpecs, compiled: object) -> None:
+    def __init__(self, path: Path, specs: ArtifactSpecs, methods: dict[str, object]) -> None:
         self.path = path
         self.specs = specs
-        self.compiled = compiled
-        self._run = compiled.loader.run  # type: ignore[attr-defined]  # no pytree work per call
+        self.methods = methods
+        self.compiled = methods[STEP_METHOD]
+        # loader.run: no pytree work per call
+        self._runs = {name: m.loader.run for name, m in methods.items()}  # type: ignore[attr-defined]
 
     @property
     def device(self) -> torch.device:
@@ -44,23 +58,40 @@ class Artifact:
         specs = read_artifact_specs(path, verify_crc=True)
         if specs.device == "cuda" and not torch.cuda.is_available():
             raise ArtifactError(f"{path} was compiled for cuda but no CUDA device is available")
+        held = package_methods([i.filename for i in check_archive(path, verify_crc=False)], str(path))
+        if held != sorted(specs.methods):
+            raise ArtifactError(
+                f"{path}: the package holds compiled methods {held} but its specs name {specs.methods}"
+            )
         try:
-            from torch._inductor import aoti_load_package
+            from torch.export.pt2_archive._package import load_pt2
 
-            compiled = aoti_load_package(str(path), run_single_threaded=single_threaded)
+            runners = load_pt2(str(path), run_single_threaded=single_threaded).aoti_runners
         except Exception as exc:  # loader raises RuntimeError/others from C++
             raise ArtifactError(f"cannot load the compiled program in {path}: {exc}") from exc
-        cls._cross_check(path, specs, compiled)
-        return cls(path, specs, compiled)
+        for method in specs.methods:
+            cls._cross_check(path, specs, runners[method], method)
+        device = torch.device("cuda", torch.cuda.current_device()) if specs.device == "cuda" else torch.device("cpu")
+        weights = load_method_weights(path, specs.methods, device)
+        for method in specs.methods:
+            try:
+                runners[method].load_constants(weights[method], check_full_update=True, user_managed=True)
+            except Exception as exc:  # C++ errors: a missing or mis-shaped constant
+                raise ArtifactError(f"{path}: the weights do not fit method {method!r}: {exc}") from exc
+        return cls(path, specs, {m: runners[m] for m in specs.methods})
 
     @staticmethod
-    def _cross_check(path: Path, specs: ArtifactSpecs, compiled: object) -> None:
+    def _cross_check(path: Path, specs: ArtifactSpecs, compiled: object, method: str) -> None:
         metadata = compiled.get_metadata()  # type: ignore[attr-defined]
-        missing = [k for k in (STEP_WIDTH_KEY, MANIFEST_KEY, PROGRAM_KEY) if k not in metadata]
+        missing = [k for k in (STEP_WIDTH_KEY, MANIFEST_KEY, PROGRAM_KEY, METHOD_KEY) if k not in metadata]
         if missing:
             raise ArtifactError(
-                f"{path}: the compiled program's metadata lacks {missing}; re-export it with this "
-                "version of offgraph-export"
+                f"{path}: method {method!r}: the compiled program's metadata lacks {missing}; "
+                "re-export it with this version of offgraph-export"
+            )
+        if metadata[METHOD_KEY] != method:
+            raise ArtifactError(
+                f"{path}: the program stored as method {method!r} says it is {metadata[METHOD_KEY]!r}"
             )
         try:
             width, manifest = parse_step_width(metadata[STEP_WIDTH_KEY]), parse_manifest(metadata[MANIFEST_KEY])
@@ -73,10 +104,10 @@ class Artifact:
             )
         if manifest != specs.manifest:
             raise ArtifactError(f"{path}: manifest in the archive disagrees with the compiled program's")
-        if metadata[PROGRAM_KEY] != specs.program_description():
+        if metadata[PROGRAM_KEY] != specs.program_description(method):
             raise ArtifactError(
                 f"{path}: the inputs the archive's specs describe (dtypes, dynamic dims, ranges, "
-                "positions) disagree with the compiled program's own"
+                f"positions) disagree with the compiled {method!r} program's own"
             )
         in_spec, _ = compiled.loader.get_call_spec()  # type: ignore[attr-defined]
         n_inputs = torch.utils._pytree.treespec_loads(in_spec).num_leaves
@@ -87,9 +118,14 @@ class Artifact:
                 f"({len(specs.inputs)} model inputs + {2 * len(specs.manifest.layers)} storage)"
             )
 
-    def run(self, flat_inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Call the compiled program on model inputs followed by storage, as a flat list."""
-        return self._run(list(flat_inputs))
+    def method_for(self, width: int | None) -> str:
+        """The method that runs a step of ``width`` tokens (None: the general step)."""
+        return DECODE_METHOD if width == 1 and DECODE_METHOD in self._runs else STEP_METHOD
+
+    def run(self, flat_inputs: Sequence[torch.Tensor], width: int | None = None) -> list[torch.Tensor]:
+        """Call the compiled program for a step of ``width`` tokens (:meth:`method_for`) on
+        model inputs followed by storage, as a flat list."""
+        return self._runs[self.method_for(width)](list(flat_inputs))
 
     def new_session(self, **kwargs) -> "Session":  # noqa: F821
         from offgraph_export.runtime.session import Session

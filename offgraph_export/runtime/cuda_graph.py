@@ -49,11 +49,11 @@ class DecodeGraphs:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            artifact.run([*self.static_inputs, *storage])
+            artifact.run([*self.static_inputs, *storage], width=1)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self.static_outputs = artifact.run([*self.static_inputs, *storage])
+            self.static_outputs = artifact.run([*self.static_inputs, *storage], width=1)
         self.graph = graph
         self.binding = self._binding_key()
         self.captures += 1

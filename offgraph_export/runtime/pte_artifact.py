@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from offgraph_export.errors import ArtifactError
-from offgraph_export.specs.artifact import ArtifactSpecs
+from offgraph_export.specs.artifact import STEP_METHOD, ArtifactSpecs
 
 __all__ = ["PteArtifact"]
 
@@ -46,6 +46,12 @@ class PteArtifact:
 
         path = Path(path)
         specs = read_pte_specs(path)
+        if specs.device != "cpu":
+            raise ArtifactError(
+                f"{path} was lowered for {specs.device} (the CUDA delegate); this runtime runs cpu "
+                "programs only (ExecuTorch's pip runtime has no CUDA backend): run it with a "
+                "CUDA-enabled ExecuTorch build, giving it the .pte and its .ptd data file"
+            )
         try:
             from executorch.runtime import Runtime
 
@@ -73,7 +79,11 @@ class PteArtifact:
                     f"{spec.dtype} of rank {len(spec.shape)} in the specs"
                 )
 
-    def run(self, flat_inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def method_for(self, width: int | None) -> str:
+        """A ``.pte`` holds one method (``forward``), which serves every width."""
+        return STEP_METHOD
+
+    def run(self, flat_inputs: Sequence[torch.Tensor], width: int | None = None) -> list[torch.Tensor]:
         """Run ``forward`` on model inputs followed by storage; write the updated storage back into
         the storage tensors given and return the model's outputs."""
         outputs = self.method.execute(list(flat_inputs))  # type: ignore[attr-defined]

@@ -22,6 +22,7 @@ from offgraph_export.runtime.admission import admit_step
 from offgraph_export.runtime.artifact import Artifact
 from offgraph_export.runtime.input_values import InputValues
 from offgraph_export.runtime.storage import Allocator, SessionStorage, default_allocator
+from offgraph_export.specs.artifact import DECODE_METHOD
 
 __all__ = ["PreparedStep", "Session", "SessionMetrics"]
 
@@ -59,6 +60,8 @@ class SessionMetrics(BaseModel):
     refused_steps: int
     graph_captures: int = 0
     graph_replays: int = 0
+    #: committed steps the artifact's decode method ran (the rest ran the general step)
+    decode_method_steps: int = 0
 
 
 class Session:
@@ -75,7 +78,7 @@ class Session:
         self._values = InputValues(self.specs, artifact.device)
         self.committed_length = 0
         self.closed = False
-        self._steps = self._failed = self._refused = 0
+        self._steps = self._failed = self._refused = self._decode_steps = 0
         self._graphs = None
         if cuda_graphs:
             from offgraph_export.runtime.cuda_graph import DecodeGraphs
@@ -107,11 +110,13 @@ class Session:
         """Launch the compiled program on prepared storage (no commit)."""
         if self._graphs is not None and self._graphs.accepts(step.width):
             return self._graphs.run(step.inputs)
-        return self.artifact.run([*step.inputs, *self.storage.bound()])
+        return self.artifact.run([*step.inputs, *self.storage.bound()], width=step.width)
 
     def commit(self, step: PreparedStep) -> None:
         self.committed_length += step.width
         self._steps += 1
+        if self.artifact.method_for(step.width) == DECODE_METHOD:
+            self._decode_steps += 1
 
     def step(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
         """prepare -> run -> commit. Returns the program's outputs."""
@@ -152,4 +157,5 @@ class Session:
             refused_steps=self._refused,
             graph_captures=self._graphs.captures if self._graphs else 0,
             graph_replays=self._graphs.replays if self._graphs else 0,
+            decode_method_steps=self._decode_steps,
         )

@@ -30,6 +30,9 @@ from offgraph_export.specs.step_width import StepWidthSpec, parse_step_width
 __all__ = [
     "ARTIFACT_SPECS_VERSION",
     "PROGRAM_KEY",
+    "METHOD_KEY",
+    "STEP_METHOD",
+    "DECODE_METHOD",
     "SPECS_ENTRY",
     "InputSpec",
     "SymbolRange",
@@ -43,6 +46,13 @@ __all__ = [
 ARTIFACT_SPECS_VERSION = 1
 #: AOTI metadata key of the program description (:meth:`ArtifactSpecs.program_description`).
 PROGRAM_KEY = "offgraph_program"
+#: AOTI metadata key naming the method a compiled program is (:data:`STEP_METHOD` or :data:`DECODE_METHOD`).
+METHOD_KEY = "offgraph_method"
+#: The general step (any width in the symbol's range); AOTI's default model name, so a plain
+#: ``aoti_load_package`` finds it.
+STEP_METHOD = "model"
+#: The width-1 step compiled with static shapes (present when ``ArtifactSpecs.decode_method``).
+DECODE_METHOD = "decode"
 
 TensorDtype = Literal[
     "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"
@@ -103,8 +113,10 @@ class ArtifactSpecs(BaseModel):
     model_dtype: str | None = None
     #: the input carrying the step's absolute positions (None: computed inside the program)
     positions_input: int | None = Field(default=None, ge=0)
-    #: export options that shaped the program (e.g. ``fuse_projections``)
+    #: export options that shaped the program (e.g. ``fuse_projections``, ``max_autotune``)
     options: dict[str, bool | int | str] = Field(default_factory=dict)
+    #: the package also holds :data:`DECODE_METHOD`: the step specialized to one token
+    decode_method: bool = False
 
     @field_validator("step_width", mode="before")
     @classmethod
@@ -162,13 +174,25 @@ class ArtifactSpecs(BaseModel):
                 )
         return self
 
-    def program_description(self) -> str:
-        """What the compiled program must agree with, as canonical JSON: the inputs, their
-        symbols and ranges, the step width and the positions input."""
-        return json.dumps(
-            self.model_dump(mode="json", include={"inputs", "symbols", "step_width", "positions_input"}),
-            sort_keys=True, separators=(",", ":"),
-        )
+    @property
+    def methods(self) -> list[str]:
+        """The compiled programs the package holds, by AOTI model name."""
+        return [STEP_METHOD, DECODE_METHOD] if self.decode_method else [STEP_METHOD]
+
+    def program_description(self, method: str = STEP_METHOD) -> str:
+        """What the compiled ``method`` must agree with, as canonical JSON: the inputs, their
+        symbols and ranges, the step width and the positions input. In the decode method the
+        width symbol is the constant 1."""
+        data = self.model_dump(mode="json", include={"inputs", "symbols", "step_width", "positions_input"})
+        if method == DECODE_METHOD:
+            width = self.width_symbol
+            for inp in data["inputs"]:
+                inp["shape"] = [1 if size == width else size for size in inp["shape"]]
+            del data["symbols"][width]
+        elif method != STEP_METHOD:
+            raise SpecError(f"unknown method {method!r}; expected one of {[STEP_METHOD, DECODE_METHOD]}")
+        data["method"] = method
+        return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
     @property
     def width_symbol(self) -> str:

@@ -1,0 +1,496 @@
+"""Decode at the memory floor, side by side: this project's artifact against the static-cache paths a
+transformers user would otherwise pick, on one model, in one run (``benchmarks/run.sh`` drives it).
+
+Contenders (all the same Llama-3.2-1B-shaped model: ``benchmarks/configs/llama-3.2-1b``, random
+bf16 weights from seed 0, batch 1):
+
+* ``offgraph``: ``offgraph-export export hf:CONFIG`` for cuda (decode method, max-autotune on the
+  decode method), run by the bundled runtime, ordinary launches and CUDA-graph decode.
+* ``hf-aoti``: transformers' static cache (``TorchExportableModuleWithStaticCache``), exported
+  with one token per step and compiled by AOTInductor, ordinary launches and replayed as a CUDA
+  graph. Its cache holds ``--max-cache-len`` rows and every step attends over all of them.
+* ``hf-compile``: the same static-cache module under ``torch.compile(mode=
+  "max-autotune-no-cudagraphs")`` replayed as a CUDA graph (the gpt-fast recipe).
+* ``hf-eager``: transformers eager with its static cache, for the prefill of a 1024-token prompt.
+
+Per contender and history: decode ms/token (median of ``--steps`` steps, CUDA events around each
+step, host work included), tokens/s, the floor (weights + the history's K/V bytes, read once at
+the measured copy rate) and the share of it achieved, KV bytes allocated; per contender: export +
+compile seconds, package bytes, prefill of 1024 tokens, and the GPU time of one decode step by
+kernel class (torch.profiler). Subcommands write JSON into ``--out``; ``report.py`` renders them.
+
+    python benchmarks/decode_bench.py {build-offgraph,build-hf-aoti,hf-compile,measure} --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIG = str(REPO / "benchmarks" / "configs" / "llama-3.2-1b")
+PREFILL = 1024
+
+
+# -- shared helpers ------------------------------------------------------------------------------
+
+
+def log(*parts: object) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}]", *parts, file=sys.stderr, flush=True)
+
+
+def save(out: Path, name: str, data: dict) -> None:
+    (out / f"{name}.json").write_text(json.dumps(data, indent=2))
+    log("wrote", out / f"{name}.json")
+
+
+@contextlib.contextmanager
+def measuring(out: Path):
+    """One contender measures at a time (builds may overlap): an exclusive lock on a file."""
+    with open(out / ".measure.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_steps(step, n: int, warmup: int = 5) -> dict:
+    """Median/p10/p90 ms of ``step()`` over ``n`` calls after ``warmup``, one CUDA-event pair per
+    call (perf_counter on cpu)."""
+    times = []
+    for i in range(n + warmup):
+        if torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            step()
+            ms = (time.perf_counter() - t0) * 1e3
+        if i >= warmup:
+            times.append(ms)
+    times.sort()
+    return {"median_ms": statistics.median(times), "p10_ms": times[len(times) // 10],
+            "p90_ms": times[(9 * len(times)) // 10], "steps": n}
+
+
+def kernel_class(name: str) -> str:
+    """A kernel's class by its name: the kernel's own kind first (an inductor template is a GEMM
+    whatever it fused), then what it computes."""
+    n = name.lower()
+    if n.startswith("triton_tem") or any(k in n for k in ("gemm", "gemv", "cublas", "cutlass", "nvjet", "splitk")):
+        return "gemm"
+    if any(k in n for k in ("_decode_attend", "_attend_kernel", "_combine", "_write_rows", "flash", "fmha", "sdpa", "attention")):
+        return "attention"
+    if n.startswith(("triton_poi", "triton_red", "triton_per")) and "mm" in n.split("fused_")[-1].split("_"):
+        return "gemm"  # a reduction inductor generated for a matmul (no template)
+    if n.startswith(("memcpy", "memset")) or "memcpy" in n or "memset" in n:
+        return "copy"
+    if n.startswith("triton_") or "elementwise" in n or "reduce" in n or "vectorized" in n:
+        return "pointwise/norm"
+    return "other"
+
+
+def kernel_breakdown(step, steps: int = 5) -> dict:
+    """GPU time of one ``step()`` by kernel class, from torch.profiler over ``steps`` calls."""
+    if not torch.cuda.is_available():
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        sync()
+    by_class: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    top: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = event.device_time if hasattr(event, "device_time") else event.cuda_time
+        cls = kernel_class(event.name)
+        by_class[cls] += us / steps
+        counts[cls] += 1
+        top[event.name[:80]] += us / steps
+    return {
+        "us_per_step": {k: round(v, 1) for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])},
+        "kernels_per_step": {k: v // steps for k, v in counts.items()},
+        "total_us": round(sum(by_class.values()), 1),
+        "top_kernels_us": {k: round(v, 1) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:12]},
+    }
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters, a tied matrix counted once (``parameters()`` yields it once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def kv_bytes_per_token(config) -> int:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2  # K+V, bf16
+
+
+def vocab_size(config_dir: str) -> int:
+    return int(json.loads((Path(config_dir) / "config.json").read_text())["vocab_size"])
+
+
+def hf_config(config_dir: str):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(config_dir, local_files_only=True)
+
+
+def load_hf_uninitialized(config_dir: str):
+    """The model with weights drawn on the device (no CPU init): for timings that do not depend
+    on the weights' values (the prefill of the eager baseline) and for counting weight bytes."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config(config_dir), dtype=torch.bfloat16)
+    model = model.to_empty(device=device()).requires_grad_(False)
+    gen = torch.Generator(device=device()).manual_seed(0)
+    for p in model.parameters():
+        p.normal_(0.0, 0.02, generator=gen)
+    model.generation_config.cache_implementation = "static"
+    model.generation_config.use_cache = True
+    return model.eval()
+
+
+def load_hf(config_dir: str):
+    from offgraph_export.frontends.hf import load_hf_model
+
+    model = load_hf_model(config_dir, "bfloat16", seed=0).model.to(device()).requires_grad_(False)
+    model.generation_config.cache_implementation = "static"
+    model.generation_config.use_cache = True
+    return model
+
+
+def static_cache_module(model, max_cache_len: int):
+    from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+
+    module = TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=max_cache_len, device=device())
+    # Some transformers versions keep each layer's write offset (``cumulative_length``) as a plain
+    # tensor attribute, which export lifts as a constant it then refuses to mutate: register it.
+    registered = {id(b) for b in module.buffers()}
+    for i, layer in enumerate(module.static_cache.layers):
+        length = getattr(layer, "cumulative_length", None)
+        if isinstance(length, torch.Tensor) and id(length) not in registered:
+            module.register_buffer(f"offgraph_cumulative_length_{i}", length, persistent=False)
+    return module
+
+
+def cache_bytes(module) -> int:
+    return sum(b.numel() * b.element_size() for n, b in module.named_buffers() if "cache" in n and b.dim() == 4)
+
+
+def graph_step(fn, static_inputs: list[torch.Tensor]):
+    """``fn(*static_inputs)`` captured as a CUDA graph; returns (replay, static outputs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn(*static_inputs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn(*static_inputs)
+    return graph.replay, outputs
+
+
+# -- builds ---------------------------------------------------------------------------------------
+
+
+#: this project's variants: contender name -> extra export arguments
+VARIANTS = {"offgraph": [], "offgraph-gemv": ["--decode-gemv"]}
+
+
+def build_offgraph(args) -> None:
+    out = Path(args.out)
+    name = args.variant
+    art = Path(args.artifacts) / f"{name}.pt2"
+    cmd = [
+        sys.executable, "-m", "offgraph_export", "export", f"hf:{args.config}", "-o", str(art),
+        "--device", "cuda" if torch.cuda.is_available() else "cpu", "--dtype", "bfloat16",
+        "--max-capacity", str(args.max_capacity), "--initial-capacity", "1024", "--max-write", str(PREFILL),
+        "--json", *VARIANTS[name], *args.export_args,
+    ]
+    log(f"building {name}:", " ".join(cmd[2:]))
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    (out / f"{name}_export.log").write_text(proc.stderr[-20000:])
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} export failed:\n{proc.stderr[-3000:]}")
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    summary["wall_s"] = time.perf_counter() - t0
+    summary["command"] = " ".join(cmd[2:])
+    save(out, f"{name}_build", summary)
+
+
+def build_hf_aoti(args) -> None:
+    out = Path(args.out)
+    model = load_hf(args.config)
+    module = static_cache_module(model, args.max_cache_len)
+    ids = torch.zeros(1, 1, dtype=torch.long, device=device())
+    pos = torch.zeros(1, dtype=torch.long, device=device())
+    t0 = time.perf_counter()
+    ep = torch.export.export(module, args=(), kwargs={"input_ids": ids, "cache_position": pos}, strict=False)
+    export_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    path = torch._inductor.aoti_compile_and_package(ep, package_path=str(Path(args.artifacts) / "hf_aoti.pt2"))
+    compile_s = time.perf_counter() - t0
+    save(out, "hf_aoti_build", {
+        "artifact": path, "export_s": export_s, "compile_s": compile_s, "bytes": os.path.getsize(path),
+        "kv_bytes": cache_bytes(module), "max_cache_len": args.max_cache_len,
+    })
+
+
+# -- measurements ---------------------------------------------------------------------------------
+
+
+def decode_rows(name: str, mode: str, step_at, histories, steps: int, floor) -> list[dict]:
+    """``step_at(history)`` -> (a step callable at that history, KV bytes allocated)."""
+    rows = []
+    for history in histories:
+        step, kv_bytes = step_at(history)
+        timing = time_steps(step, steps)
+        ms = timing["median_ms"]
+        floor_ms, floor_bytes = floor(history)
+        rows.append({
+            "contender": name, "mode": mode, "history": history, **timing,
+            "tokens_per_s": 1e3 / ms, "gb_per_s": floor_bytes / (ms * 1e-3) / 1e9,
+            "floor_ms": floor_ms, "pct_of_floor": 100 * floor_ms / ms, "kv_bytes": kv_bytes,
+        })
+        log(f"{name:10s} {mode:8s} history {history:6d}: {ms:.3f} ms ({rows[-1]['pct_of_floor']:.0f}% of floor)")
+    return rows
+
+
+def measure_offgraph(args, floor, name: str) -> dict:
+    from offgraph_export.frontends import load_bundle
+    from offgraph_export.runtime import Artifact
+
+    art = Path(args.artifacts) / f"{name}.pt2"
+    bundle = load_bundle(f"hf:{args.config}", dtype="bfloat16")  # for make_inputs
+    make_inputs = bundle.make_inputs
+    del bundle
+    sync()
+    free0 = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
+    artifact = Artifact.load(art, single_threaded=torch.cuda.is_available())
+    loaded_bytes = free0 - torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
+    dev = artifact.device
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, min(1000, vocab_size(args.config)), (1, max(args.history) + PREFILL), generator=gen).to(dev)
+    sessions = []
+
+    def step_at_mode(graphs: bool):
+        def step_at(history: int):
+            session = artifact.new_session(cuda_graphs=graphs)
+            sessions.append(session)
+            for start in range(0, history, PREFILL):
+                session.step(*make_inputs(prompt[:, start : min(start + PREFILL, history)], start))
+            token = prompt[:, history : history + 1]
+
+            def step():
+                session.step(*make_inputs(token, session.committed_length))
+
+            step()  # first decode step (capture with graphs)
+            return step, session.metrics().allocated_bytes
+        return step_at
+
+    rows = []
+    for graphs in ([False, True] if dev.type == "cuda" else [False]):
+        rows += decode_rows(name, "graph" if graphs else "ordinary", step_at_mode(graphs), args.history, args.steps, floor)
+        for s in sessions:
+            s.close()
+        sessions.clear()
+    # prefill of 1024 tokens from an empty cache, the general method
+    session = artifact.new_session()
+
+    def prefill():
+        session.reset()
+        session.step(*make_inputs(prompt[:, :PREFILL], 0))
+
+    prefill_t = time_steps(prefill, 10, warmup=2)
+    breakdown = {}
+    for graphs in ([False, True] if dev.type == "cuda" else []):
+        step, _ = step_at_mode(graphs)(args.history[0])
+        breakdown["graph" if graphs else "ordinary"] = kernel_breakdown(step)
+    for s in sessions:
+        s.close()
+    return {"rows": rows, "prefill_1024": prefill_t, "breakdown_1k": breakdown,
+            "device_bytes_after_load": loaded_bytes, "specs_options": artifact.specs.options,
+            "methods": artifact.specs.methods}
+
+
+def measure_hf_aoti(args, floor) -> dict:
+    out = Path(args.out)
+    build = json.loads((out / "hf_aoti_build.json").read_text())
+    from torch._inductor import aoti_load_package
+
+    compiled = aoti_load_package(build["artifact"], run_single_threaded=True)
+    run = compiled.loader.run
+    ids = torch.zeros(1, 1, dtype=torch.long, device=device())
+    pos = torch.zeros(1, dtype=torch.long, device=device())
+    rows = []
+
+    def ordinary_at(history: int):
+        pos.fill_(history)
+        return (lambda: run([ids, pos])), build["kv_bytes"]
+
+    rows += decode_rows("hf-aoti", "ordinary", ordinary_at, args.history, args.steps, floor)
+    if not torch.cuda.is_available():
+        return {"rows": rows, "breakdown_1k": {}}
+    replay, _ = graph_step(lambda a, b: run([a, b]), [ids, pos])
+
+    def graph_at(history: int):
+        pos.fill_(history)
+        return replay, build["kv_bytes"]
+
+    rows += decode_rows("hf-aoti", "graph", graph_at, args.history, args.steps, floor)
+    pos.fill_(args.history[0])
+    breakdown = {"ordinary": kernel_breakdown(lambda: run([ids, pos])), "graph": kernel_breakdown(replay)}
+    return {"rows": rows, "breakdown_1k": breakdown}
+
+
+def measure_hf_eager_prefill(args) -> dict:
+    model = load_hf_uninitialized(args.config)
+    module = static_cache_module(model, args.max_cache_len)
+    ids = torch.randint(0, min(1000, vocab_size(args.config)), (1, PREFILL), device=device())
+    pos = torch.arange(PREFILL, device=device())
+    with torch.no_grad():
+        t = time_steps(lambda: module(input_ids=ids, cache_position=pos), 10, warmup=2)
+    del module, model
+    torch.cuda.empty_cache()
+    return t
+
+
+def hf_compile(args) -> None:
+    """Build (torch.compile max-autotune, compiled at the first call) and measure in one process."""
+    out = Path(args.out)
+    model = load_hf(args.config)
+    module = static_cache_module(model, args.max_cache_len)
+    wb = weight_bytes(model)
+    compiled = torch.compile(module, mode="max-autotune-no-cudagraphs")
+    ids = torch.zeros(1, 1, dtype=torch.long, device=device())
+    pos = torch.full((1,), args.history[0], dtype=torch.long, device=device())
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        compiled(input_ids=ids, cache_position=pos)
+        sync()
+    compile_s = time.perf_counter() - t0
+    log(f"hf-compile compiled in {compile_s:.0f} s; waiting for the other builds to finish")
+    deadline = time.time() + 1200
+    while not (out / ".builds_done").exists() and time.time() < deadline:
+        time.sleep(1)  # measuring while another process autotunes on the GPU would skew both
+    with measuring(out), torch.no_grad():
+        floor = floor_fn(json.loads((out / "copy_bandwidth.json").read_text())["bytes_per_s"], wb, kv_bytes_per_token(model.config)) \
+            if (out / "copy_bandwidth.json").exists() else floor_fn(copy_bandwidth(out)["bytes_per_s"], wb, kv_bytes_per_token(model.config))
+        if torch.cuda.is_available():
+            replay, _ = graph_step(lambda a, b: compiled(input_ids=a, cache_position=b), [ids, pos])
+        else:  # a smoke run on cpu: no graphs
+            def replay():
+                compiled(input_ids=ids, cache_position=pos)
+
+        def graph_at(history: int):
+            pos.fill_(history)
+            return replay, cache_bytes(module)
+
+        rows = decode_rows("hf-compile", "graph", graph_at, args.history, args.steps, floor)
+        pos.fill_(args.history[0])
+        breakdown = {"graph": kernel_breakdown(replay)}
+    save(out, "hf_compile", {"compile_s": compile_s, "rows": rows, "breakdown_1k": breakdown,
+                             "kv_bytes": cache_bytes(module), "max_cache_len": args.max_cache_len})
+
+
+def copy_bandwidth(out: Path) -> dict:
+    """Device-to-device copy of 1 GiB: (read + written bytes) / median time."""
+    n = 1 << 29  # bf16 elements: 1 GiB
+    src = torch.empty(n, dtype=torch.bfloat16, device=device())
+    dst = torch.empty_like(src)
+    t = time_steps(lambda: dst.copy_(src), 20, warmup=3)
+    bw = 2 * src.numel() * src.element_size() / (t["median_ms"] * 1e-3)
+    data = {"bytes_per_s": bw, **t}
+    save(out, "copy_bandwidth", data)
+    del src, dst
+    return data
+
+
+def floor_fn(bytes_per_s: float, weights: int, kv_per_token: int):
+    def floor(history: int) -> tuple[float, int]:
+        moved = weights + kv_per_token * (history + 1)
+        return 1e3 * moved / bytes_per_s, moved
+    return floor
+
+
+def measure(args) -> None:
+    out = Path(args.out)
+    with measuring(out):
+        bw = copy_bandwidth(out)
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            meta = AutoModelForCausalLM.from_config(hf_config(args.config), dtype=torch.bfloat16)
+        wb, kvt = weight_bytes(meta), kv_bytes_per_token(meta.config)
+        del meta
+        floor = floor_fn(bw["bytes_per_s"], wb, kvt)
+        save(out, "floor", {"weight_bytes": wb, "kv_bytes_per_token": kvt, "copy_bytes_per_s": bw["bytes_per_s"],
+                            "floor_ms": {h: floor(h)[0] for h in args.history}})
+        with torch.no_grad():
+            for name in VARIANTS:
+                if (out / f"{name}_build.json").exists():
+                    save(out, name, measure_offgraph(args, floor, name))
+                torch.cuda.empty_cache()
+            if (out / "hf_aoti_build.json").exists():
+                save(out, "hf_aoti", measure_hf_aoti(args, floor))
+            torch.cuda.empty_cache()
+            save(out, "hf_eager_prefill", measure_hf_eager_prefill(args))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["build-offgraph", "build-hf-aoti", "hf-compile", "measure"])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--config", default=CONFIG)
+    parser.add_argument("--artifacts", help="where the compiled packages go (default: --out)")
+    parser.add_argument("--history", type=int, nargs="+", default=[1024, 8192, 16384])
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--max-capacity", type=int, default=32768)
+    parser.add_argument("--max-cache-len", type=int, default=16384 + 128)
+    parser.add_argument("--variant", choices=sorted(VARIANTS), default="offgraph", help="build-offgraph: which variant")
+    parser.add_argument("--export-arg", dest="export_args", action="append", default=[],
+                        help="extra argument for offgraph-export export (repeatable)")
+    args = parser.parse_args()
+    args.artifacts = args.artifacts or args.out
+    for d in (args.out, args.artifacts):
+        Path(d).mkdir(parents=True, exist_ok=True)
+    {"build-offgraph": build_offgraph, "build-hf-aoti": build_hf_aoti, "hf-compile": hf_compile,
+     "measure": measure}[args.what](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""Render a ``benchmarks/run.sh`` output folder: ``report.md`` (tables) and ``report.png`` (tokens/s
+and KV bytes against history; needs matplotlib, skipped with a note otherwise).
+
+    python benchmarks/report.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+#: this project's contenders (benchmarks/decode_bench.py VARIANTS)
+OURS = ("offgraph", "offgraph-gemv")
+
+
+def _load(out: Path, name: str) -> dict | None:
+    path = out / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _mb(n: float | None) -> str:
+    return "-" if n is None else f"{n / 1e6:,.0f} MB"
+
+
+def render(out: Path) -> str:
+    floor = _load(out, "floor") or {}
+    results = {name: _load(out, name) for name in (*OURS, "hf_aoti", "hf_compile")}
+    builds = {name: _load(out, f"{name}_build") for name in (*OURS, "hf_aoti")}
+    rows = [r for res in results.values() if res for r in res["rows"]]
+    lines = ["# Decode side by side", ""]
+    if floor:
+        lines += [
+            f"Copy rate {floor['copy_bytes_per_s'] / 1e12:.2f} TB/s (1 GiB device copy, read + write); "
+            f"weights {floor['weight_bytes'] / 1e9:.2f} GB; K/V {floor['kv_bytes_per_token']:,} bytes per token. "
+            "Floor = (weights + live K/V) / copy rate.", "",
+        ]
+    lines += [
+        "| contender | launch | history | ms/token (median) | p90 | tokens/s | GB/s | % of floor | KV bytes allocated |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(rows, key=lambda r: (r["history"], r["contender"], r["mode"])):
+        lines.append(
+            f"| {r['contender']} | {r['mode']} | {r['history']:,} | {r['median_ms']:.3f} | {r['p90_ms']:.3f} | "
+            f"{r['tokens_per_s']:.0f} | {r['gb_per_s']:.0f} | {r['pct_of_floor']:.0f}% | {_mb(r['kv_bytes'])} |"
+        )
+    graph = {(r["contender"], r["history"]): r["median_ms"] for r in rows if r["mode"] == "graph"}
+    histories = sorted({r["history"] for r in rows})
+    lines += ["", "| history | ours, CUDA graph | best static-cache path, CUDA graph | speed-up |", "|---|---|---|---|"]
+    for name in OURS:
+        for h in histories:
+            ours = graph.get((name, h))
+            theirs = [(graph[(c, h)], c) for c in ("hf-aoti", "hf-compile") if (c, h) in graph]
+            if ours and theirs:
+                best, who = min(theirs)
+                lines.append(f"| {h:,} | {name} {ours:.3f} ms | {who} {best:.3f} ms | {best / ours:.2f}x |")
+    lines += ["", "| contender | export + compile | package | prefill of 1024 tokens (median) |", "|---|---|---|---|"]
+    for name in OURS:
+        ob = builds[name]
+        if not ob:
+            continue
+        pre = results[name]["prefill_1024"]["median_ms"] if results[name] else None
+        lines.append(
+            f"| {name} | {ob['export_s'] + ob['passes_s'] + ob['compile_s']:.0f} s (export {ob['export_s']:.0f}, "
+            f"passes {ob['passes_s']:.0f}, compile {ob['compile_s']:.0f}) | {_mb(ob['bytes'])} | "
+            f"{'-' if pre is None else f'{pre:.2f} ms'} |"
+        )
+    ab = builds["hf_aoti"]
+    if ab:
+        lines.append(
+            f"| hf-aoti | {ab['export_s'] + ab['compile_s']:.0f} s (export {ab['export_s']:.0f}, compile "
+            f"{ab['compile_s']:.0f}) | {_mb(ab['bytes'])} | - (exported for one token a step) |"
+        )
+    if results["hf_compile"]:
+        lines.append(f"| hf-compile | {results['hf_compile']['compile_s']:.0f} s (first call) | - | - |")
+    eager = _load(out, "hf_eager_prefill")
+    if eager:
+        lines.append(f"| hf-eager | - | - | {eager['median_ms']:.2f} ms |")
+    lines += ["", "GPU time of one decode step at 1k history, by kernel class (torch.profiler, us):", ""]
+    classes = ["gemm", "attention", "pointwise/norm", "copy", "other"]
+    lines += ["| contender | launch | " + " | ".join(classes) + " | total | kernels |",
+              "|---|---|" + "---|" * (len(classes) + 2)]
+    for name, res in results.items():
+        for mode, b in ((res or {}).get("breakdown_1k") or {}).items():
+            if not b:
+                continue
+            cells = [f"{b['us_per_step'].get(c, 0):.0f}" for c in classes]
+            lines.append(f"| {name} | {mode} | " + " | ".join(cells) + f" | {b['total_us']:.0f} | "
+                         f"{sum(b['kernels_per_step'].values())} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(out: Path) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: report.png not written"
+    rows = [r for name in (*OURS, "hf_aoti", "hf_compile") if (d := _load(out, name)) for r in d["rows"]]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for key in sorted({(r["contender"], r["mode"]) for r in rows}):
+        sel = sorted((r for r in rows if (r["contender"], r["mode"]) == key), key=lambda r: r["history"])
+        xs = [r["history"] for r in sel]
+        ax1.plot(xs, [r["tokens_per_s"] for r in sel], marker="o", label=f"{key[0]} ({key[1]})")
+        ax2.plot(xs, [r["kv_bytes"] / 1e6 for r in sel], marker="o", label=f"{key[0]} ({key[1]})")
+    ax1.set(xlabel="history (tokens)", ylabel="decode tokens/s", title="Decode throughput, batch 1")
+    ax2.set(xlabel="history (tokens)", ylabel="KV bytes allocated (MB)", title="KV cache memory")
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "report.png", dpi=120)
+    return f"wrote {out / 'report.png'}"
+
+
+def main() -> None:
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
+    text = render(out)
+    (out / "report.md").write_text(text)
+    print(text)
+    print(plot(out))
+
+
+if __name__ == "__main__":
+    main()

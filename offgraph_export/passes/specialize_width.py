@@ -1,0 +1,61 @@
+"""Specialize the stripped program to a fixed token width: the decode method.
+
+Why: the stripped program serves every width in ``[1, max_write]``, so the compiler must emit
+shape-generic kernels (GEMMs with a symbolic M, attention grids that choose a variant at run time).
+Nearly every step of generation writes one token. A second program traced with the width fixed at
+1 lets AOTInductor specialize its kernels for that one shape (GEMV-shaped GEMMs, which max-autotune
+can then tune; the attention op takes its one-token path), while the general program keeps serving
+prefill. Both are the same graph: this pass re-traces the stripped program's own module, so the two
+methods compute the same function and share the same weight tensors (the packager stores them once).
+
+Only the width symbol is fixed; every other dynamic dim (the flat storage's row count above all)
+stays dynamic with its range, so the runtime binds the same growing storage to either method.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.export import ExportedProgram
+
+from offgraph_export.errors import ExportError
+from offgraph_export.passes.graph_utils import input_dynamic_shapes, size_expr, user_input_nodes
+from offgraph_export.passes.result import PassResult
+from offgraph_export.specs.step_width import StepWidthSpec
+
+__all__ = ["specialize_width"]
+
+
+def _narrowed(example: torch.Tensor, node: torch.fx.Node, symbol: str, width: int) -> torch.Tensor:
+    """``example`` cut to ``width`` along every dim that carries the width ``symbol``."""
+    for dim, size in enumerate(node.meta["val"].shape):
+        if isinstance(size, torch.SymInt) and str(size_expr(size)) == symbol:
+            example = example.narrow(dim, 0, width)
+    return example.contiguous()
+
+
+def specialize_width(stripped: ExportedProgram, step_width: StepWidthSpec, width: int = 1) -> PassResult[str]:
+    """Return ``stripped`` re-traced with the token width fixed at ``width``; storage rows stay
+    dynamic. The examples are the stripped program's own, cut to ``width``. Produces the width
+    symbol that was fixed. The inputs keep their names and order."""
+    nodes = user_input_nodes(stripped)
+    symbol = str(size_expr(nodes[step_width.input_index].meta["val"].shape[step_width.dim]))
+    if symbol.isdigit():
+        raise ExportError(f"the step width {step_width.format()!r} is already the constant {symbol}")
+    if stripped.example_inputs is None:
+        raise ExportError("the stripped program carries no example inputs to trace the decode method with")
+    args, _ = stripped.example_inputs
+    shapes = input_dynamic_shapes(stripped)
+    for node, spec in zip(nodes, shapes):
+        for dim, size in enumerate(node.meta["val"].shape):
+            if isinstance(size, torch.SymInt) and str(size_expr(size)) == symbol:
+                del spec[dim]
+    examples = tuple(_narrowed(x, node, symbol, width) for x, node in zip(args, nodes))
+    try:
+        ep = torch.export.export(stripped.module(), examples, dynamic_shapes=tuple(shapes), strict=False)
+    except Exception as exc:  # export raises many types; keep the cause chained
+        raise ExportError(f"tracing the width-{width} method failed: {exc}") from exc
+    names = list(stripped.graph_signature.user_inputs)
+    got = list(ep.graph_signature.user_inputs)
+    if got != names:
+        raise ExportError(f"the width-{width} method takes inputs {got}, expected {names}")
+    return PassResult(ep, modified=True, produced=symbol)

@@ -1,0 +1,135 @@
+"""Load a package's weights once and give the same tensors to every method.
+
+The packager (:mod:`offgraph_export.lowering.aoti`) keeps weights out of the compiled libraries:
+``<root>/data/weights/weight_<n>`` holds one tensor each (a tensor both methods use is stored once)
+and each method's ``<root>/data/aotinductor/<method>/weights_config.json`` maps its constant names
+to ``[file, shape, stride, storage offset]``. Both are untrusted input: a config must be valid JSON of
+that form within the size limits, name only weight files that exist in the archive, and describe
+views that lie inside the loaded tensor; the files are read with ``torch.load(weights_only=True)``
+(tensors only, no code) straight onto the artifact's device. Each method then receives its views
+with ``user_managed`` set, so the compiled code reads these tensors in place and the weights occupy
+device memory once however many methods the package holds.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import zipfile
+from typing import Annotated
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError
+
+from offgraph_export.errors import ArtifactError
+from offgraph_export.specs.archive import archive_root
+from offgraph_export.specs.limits import MAX_JSON_BYTES, loads_limited
+
+__all__ = ["WEIGHTS_DIR", "AOTI_DIR", "WeightView", "package_methods", "load_method_weights"]
+
+WEIGHTS_DIR = "data/weights/"
+AOTI_DIR = "data/aotinductor/"
+_WEIGHT_FILE = re.compile(r"^weight_[0-9]{1,9}$")
+
+Size = Annotated[int, Field(ge=0)]
+
+
+class WeightView(BaseModel):
+    """One constant: a view ``(shape, stride, offset)`` of the tensor stored in ``file``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    file: str = Field(pattern=_WEIGHT_FILE.pattern)
+    shape: list[Size] = Field(max_length=16)
+    stride: list[Size] = Field(max_length=16)
+    offset: Size
+
+    @classmethod
+    def from_entry(cls, entry: object) -> "WeightView":
+        if not isinstance(entry, list) or len(entry) != 4:
+            raise ValueError(f"expected [file, shape, stride, offset], got {entry!r:.80}")
+        file, shape, stride, offset = entry
+        return cls(file=file, shape=shape, stride=stride, offset=offset)
+
+    def extent(self) -> int:
+        """Elements from the storage start the view reaches (0 for an empty view)."""
+        if any(s == 0 for s in self.shape):
+            return 0
+        return self.offset + sum((s - 1) * st for s, st in zip(self.shape, self.stride)) + 1
+
+
+class _Config(RootModel[dict[str, list[object]]]):
+    pass
+
+
+def package_methods(names: list[str], source: str) -> list[str]:
+    """The AOTI model names (methods) a package's entries hold, sorted."""
+    root = archive_root(names, source) + AOTI_DIR
+    return sorted({n[len(root):].split("/", 1)[0] for n in names if n.startswith(root) and "/" in n[len(root):]})
+
+
+def _read_config(archive: zipfile.ZipFile, entry: str, source: str) -> dict[str, WeightView]:
+    info = archive.getinfo(entry)
+    if info.file_size > MAX_JSON_BYTES:
+        raise ArtifactError(f"{source}: {entry} is {info.file_size} bytes; more than {MAX_JSON_BYTES}")
+    data = loads_limited(archive.read(entry), f"{source}: {entry}", ArtifactError)
+    try:
+        raw = _Config.model_validate(data).root
+        views = {}
+        for name, value in raw.items():
+            views[name] = WeightView.from_entry(value)
+            if len(views[name].shape) != len(views[name].stride):
+                raise ValueError(f"{name}: shape and stride have different ranks")
+    except (ValidationError, ValueError) as exc:
+        raise ArtifactError(f"{source}: {entry} is not a valid weights config: {exc}") from exc
+    return views
+
+
+def load_method_weights(
+    path: str | os.PathLike, methods: list[str], device: torch.device
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Each method's constants by name, as views of tensors loaded once onto ``device``."""
+    source = str(path)
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+            root = archive_root(names, source)
+            configs = {}
+            for method in methods:
+                entry = f"{root}{AOTI_DIR}{method}/weights_config.json"
+                if entry not in names:
+                    raise ArtifactError(
+                        f"{source}: method {method!r} has no weights config ({entry}); re-export it "
+                        "with this version of offgraph-export"
+                    )
+                configs[method] = _read_config(archive, entry, source)
+            files: dict[str, torch.Tensor] = {}
+            for views in configs.values():
+                for view in views.values():
+                    if view.file in files:
+                        continue
+                    entry = f"{root}{WEIGHTS_DIR}{view.file}"
+                    if entry not in names:
+                        raise ArtifactError(f"{source}: a weights config names {view.file!r}, which the archive lacks")
+                    loaded = torch.load(io.BytesIO(archive.read(entry)), map_location=device, weights_only=True)
+                    if not isinstance(loaded, torch.Tensor):
+                        raise ArtifactError(f"{source}: {entry} holds a {type(loaded).__name__}, not a tensor")
+                    files[view.file] = loaded
+    except ArtifactError:
+        raise
+    except (zipfile.BadZipFile, OSError, RuntimeError, EOFError) as exc:
+        raise ArtifactError(f"{source}: cannot read the weights: {exc}") from exc
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for method, views in configs.items():
+        out[method] = {}
+        for name, view in views.items():
+            base = files[view.file]
+            held = base.untyped_storage().nbytes() // base.element_size()
+            if view.extent() > held:
+                raise ArtifactError(
+                    f"{source}: weight {name!r} of method {method!r} reaches element {view.extent()} "
+                    f"of {view.file}, which holds {held}"
+                )
+            out[method][name] = base.as_strided(view.shape, view.stride, view.offset)
+    return out

@@ -1,0 +1,241 @@
+"""The decode method: a width-1 program with static shapes beside the general step, in one package
+that stores the weights once; the runtime runs it for every one-token step, ``check`` verifies it
+against the eager model, and a loader refuses packages whose methods disagree with their specs."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from offgraph_export.check import check_artifact
+from offgraph_export.errors import ArtifactError
+from offgraph_export.frontends import load_bundle
+from offgraph_export.lowering.portable import portable_update_and_attend
+from offgraph_export.passes.graph_utils import user_input_nodes
+from offgraph_export.passes.specialize_width import specialize_width
+from offgraph_export.lowering.aoti import compile_package
+from offgraph_export.pipeline import export_model, run_passes
+from offgraph_export.runtime import Artifact
+from offgraph_export.specs.artifact import DECODE_METHOD, STEP_METHOD, read_artifact_specs
+from tests.archive_tools import rewrite, specs_edit
+from tests.conftest import EXAMPLE, cli
+
+
+@pytest.fixture(scope="module")
+def decode_artifact(tmp_path_factory) -> Path:
+    """The example exported through the CLI with a decode method (two compiles)."""
+    out = tmp_path_factory.mktemp("decode") / "tiny_decode.pt2"
+    cli("export", EXAMPLE, "-o", str(out), "--decode-method")
+    return out
+
+
+@pytest.fixture(scope="module")
+def loaded(decode_artifact) -> Artifact:
+    return Artifact.load(decode_artifact)
+
+
+def _tokens(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+# -- the pass -------------------------------------------------------------------------------------
+
+
+def test_specialize_width_fixes_only_the_width():
+    bundle = load_bundle(EXAMPLE)
+    inputs = bundle.example_inputs
+    ep = export_model(bundle.model, inputs, bundle.token_dims, bundle.cache_config.max_write)
+    program = run_passes(ep, inputs, bundle.cache_config)
+    result = specialize_width(program.stripped, program.step_width)
+    assert result.modified and result.produced == str(
+        user_input_nodes(program.stripped)[0].meta["val"].shape[1]
+    )
+    shapes = {n.name: n.meta["val"].shape for n in user_input_nodes(result.program)}
+    assert list(shapes["tokens"]) == [1, 1] and list(shapes["position"]) == [1]
+    # flat storage rows stay dynamic (one growing capacity), the ring's are static
+    assert isinstance(shapes["k_cache_0"][2], torch.SymInt)
+    manifest = program.manifest
+    assert shapes["k_cache_1"][2] == manifest.rows(manifest.layer(1), manifest.initial_capacity)
+    assert list(result.program.graph_signature.user_inputs) == list(program.stripped.graph_signature.user_inputs)
+
+
+def _kernel_names(program) -> set[str]:
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    return {
+        kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__
+        for n in program.graph.nodes
+        if "triton_kernel_wrapper" in str(n.target)
+    }
+
+
+def test_decode_method_gets_the_one_token_kernels():
+    """The decode method is traced from the program before the triton step is decomposed, so it
+    takes the one-token kernels (row write folded into the attention) and the general step keeps
+    the kernels chosen for a symbolic width."""
+    pytest.importorskip("triton")
+    bundle = load_bundle(EXAMPLE)
+    inputs = bundle.example_inputs
+    ep = export_model(bundle.model.requires_grad_(False), inputs, bundle.token_dims, bundle.cache_config.max_write)
+    program = run_passes(ep, inputs, bundle.cache_config, "triton", decode_method=True)
+    assert _kernel_names(program.decode) == {"_decode_attend_kernel", "_decode_combine_kernel"}
+    assert _kernel_names(program.stripped) == {"_write_rows_kernel", "_attend_kernel", "_combine_splits_kernel"}
+
+
+def test_decode_gemv_rewrites_the_one_row_projections_of_the_decode_method_only():
+    pytest.importorskip("triton")
+    bundle = load_bundle(EXAMPLE)
+    inputs = bundle.example_inputs
+    ep = export_model(bundle.model.requires_grad_(False), inputs, bundle.token_dims, bundle.cache_config.max_write)
+    program = run_passes(ep, inputs, bundle.cache_config, "triton", decode_method=True, decode_gemv=True)
+    linears = sum(n.target is torch.ops.aten.linear.default for n in program.pass_results["strip_kv_cache"].program.graph.nodes)
+    result = program.pass_results["decode_gemv"]
+    assert result.modified and result.produced == linears == 9  # q|k|v, o, gate|up, down per layer; lm_head
+    assert "_gemv_kernel" in _kernel_names(program.decode)
+    assert "_gemv_kernel" not in _kernel_names(program.stripped)
+    assert program.options["decode_gemv"] is True
+
+
+# -- the package ----------------------------------------------------------------------------------
+
+
+def test_package_holds_both_methods_and_the_weights_once(decode_artifact):
+    specs = read_artifact_specs(decode_artifact)
+    assert specs.decode_method and specs.methods == [STEP_METHOD, DECODE_METHOD]
+    with zipfile.ZipFile(decode_artifact) as z:
+        names = z.namelist()
+        stored = sum(i.file_size for i in z.infolist() if "/data/weights/" in i.filename)
+        configs = [json.loads(z.read(n)) for n in names if n.endswith("weights_config.json")]
+    assert len(configs) == 2 and configs[0] == configs[1]  # both methods name the same files
+    # The weights' own bytes (fused projections and all), counted once: stored once.
+    once = sum(
+        t.untyped_storage().nbytes()
+        for t in {id(v): v for v in _constants(decode_artifact).values()}.values()
+    )
+    assert once <= stored < 1.5 * once
+
+
+def _constants(path: Path) -> dict[str, torch.Tensor]:
+    from offgraph_export.runtime.weights import load_method_weights
+
+    return load_method_weights(path, [STEP_METHOD], torch.device("cpu"))[STEP_METHOD]
+
+
+def test_methods_share_the_loaded_weight_tensors(decode_artifact):
+    from offgraph_export.runtime.weights import load_method_weights
+
+    weights = load_method_weights(decode_artifact, [STEP_METHOD, DECODE_METHOD], torch.device("cpu"))
+    step, decode = weights[STEP_METHOD], weights[DECODE_METHOD]
+    assert step.keys() == decode.keys()
+    assert all(step[k].data_ptr() == decode[k].data_ptr() for k in step)
+
+
+# -- the runtime ----------------------------------------------------------------------------------
+
+
+def test_one_token_steps_run_the_decode_method_and_match_the_general_step(loaded):
+    bundle = load_bundle(EXAMPLE)
+    tokens = _tokens(40)
+    fast, general = loaded.new_session(), loaded.new_session()
+    general_artifact = Artifact(loaded.path, loaded.specs, loaded.methods)
+    general_artifact.method_for = lambda width: STEP_METHOD  # type: ignore[method-assign]
+    general = general_artifact.new_session()
+    for session in (fast, general):
+        session.step(*bundle.make_inputs(tokens[:, :20], 0))
+    for i in range(20, 40):  # crosses the growth from 32 to 64 rows
+        got = fast.step(*bundle.make_inputs(tokens[:, i : i + 1], i))[0]
+        want = general.step(*bundle.make_inputs(tokens[:, i : i + 1], i))[0]
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert fast.metrics().decode_method_steps == 20 and general.metrics().decode_method_steps == 0
+    assert fast.metrics().growth_count == general.metrics().growth_count == 2
+    for a, b in zip(fast.storage.bound(), general.storage.bound()):
+        torch.testing.assert_close(a[:, :, :40], b[:, :, :40], atol=1e-5, rtol=1e-5)
+
+
+def test_check_passes_with_the_decode_method(loaded):
+    report = check_artifact(loaded, EXAMPLE, decode_steps=24)
+    assert report.passed, report.render()
+
+
+# -- a broken decode method is caught -------------------------------------------------------------
+
+
+def scaled_step(q, k, v, position, k_store, v_store, window, scale, out_dtype):
+    """The portable step with its output scaled by 1.01: wrong outputs, right storage."""
+    return 1.01 * portable_update_and_attend(q, k, v, position, k_store, v_store, window, scale, out_dtype)
+
+
+@pytest.fixture(scope="module")
+def broken_decode(tmp_path_factory) -> Path:
+    """A package whose general step is right and whose decode method is the scaled step's."""
+    bundle = load_bundle(EXAMPLE)
+    inputs = bundle.example_inputs
+    ep = export_model(bundle.model, inputs, bundle.token_dims, bundle.cache_config.max_write)
+    good = run_passes(ep, inputs, bundle.cache_config)
+    bad = run_passes(ep, inputs, bundle.cache_config, step_impl=scaled_step, decode_method=True)
+    specs = good.artifact_specs("cpu", model=EXAMPLE, model_args={}, model_dtype=None)
+    specs = specs.model_copy(update={"decode_method": True})
+    path = tmp_path_factory.mktemp("broken_decode") / "broken_decode.pt2"
+    return compile_package({STEP_METHOD: good.stripped, DECODE_METHOD: bad.decode}, path, specs)
+
+
+def test_check_fails_on_a_broken_decode_method(broken_decode):
+    artifact = Artifact.load(broken_decode)
+    report = check_artifact(artifact, EXAMPLE, decode_steps=6)
+    assert not report.passed
+    failing = [s for s in report.steps if not s.ok]
+    assert failing and all(s.width == 1 for s in failing)
+    # the same package with the general step serving every width passes
+    general = Artifact(artifact.path, artifact.specs, artifact.methods)
+    general.method_for = lambda width: STEP_METHOD  # type: ignore[method-assign]
+    assert check_artifact(general, EXAMPLE, decode_steps=6).passed
+
+
+# -- hostile packages -----------------------------------------------------------------------------
+
+
+def _decode_entry(name: str, part: str) -> bool:
+    return f"/data/aotinductor/{DECODE_METHOD}/" in name and name.endswith(part)
+
+
+@pytest.mark.parametrize(
+    "case, edit, message",
+    [
+        ("specs-deny-decode", specs_edit(lambda s: s.update(decode_method=False)),
+         r"holds compiled methods \['decode', 'model'\] but its specs name \['model'\]"),
+        ("decode-missing", lambda n, d: None if f"/data/aotinductor/{DECODE_METHOD}/" in n else d,
+         r"holds compiled methods \['model'\] but its specs name \['model', 'decode'\]"),
+        ("weights-config-names-missing-file",
+         lambda n, d: d.replace(b'"weight_0"', b'"weight_999"') if _decode_entry(n, "weights_config.json") else d,
+         r"names 'weight_999', which the archive lacks"),
+        ("weights-config-view-too-long",
+         lambda n, d: _stretch_first_view(d) if _decode_entry(n, "weights_config.json") else d,
+         r"reaches element .* which holds"),
+        ("weights-config-bad-file-name",
+         lambda n, d: d.replace(b'"weight_0"', b'"../weight_0"') if _decode_entry(n, "weights_config.json") else d,
+         r"not a valid weights config"),
+    ],
+    ids=lambda v: v if isinstance(v, str) and " " not in v and "\\" not in v else "",
+)
+def test_loader_refuses_inconsistent_methods(decode_artifact, tmp_path, case, edit, message):
+    bad = rewrite(decode_artifact, tmp_path / "tiny_decode.pt2", edit)
+    with pytest.raises(ArtifactError, match=message):
+        Artifact.load(bad)
+
+
+def _stretch_first_view(data: bytes) -> bytes:
+    config = json.loads(data)
+    name = next(iter(config))
+    file, shape, stride, offset = config[name]
+    config[name] = [file, shape, stride, offset + 10**6]
+    return json.dumps(config).encode()
+
+
+def test_inspect_lists_the_methods(decode_artifact):
+    text = cli("inspect", str(decode_artifact)).stdout
+    assert "methods       model, decode  (decode: width 1, static shapes)" in text
+    assert "max_autotune=none" in text
