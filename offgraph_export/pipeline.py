@@ -234,7 +234,7 @@ def export_and_lower(
     device: str = "cpu",
     step_impl: str | None = None,
     progress: Progress = _noop,
-    fuse: bool = True,
+    fuse: bool | None = None,
     format: str = "pt2",
     executorch_backend: str | None = None,
     decode_method: bool | None = None,
@@ -254,6 +254,16 @@ def export_and_lower(
         device = "cpu"
         if executorch_backend is None:
             executorch_backend = "cuda" if target_device.startswith("cuda") else "xnnpack"
+    # ExecuTorch's CUDA backend has no kernel for split_copy, which the fused projections' split
+    # lowers to there (seen with executorch 1.2.0): it takes the projections unfused.
+    unfused_only = not pt2 and executorch_backend == "cuda"
+    if fuse is None:
+        fuse = not unfused_only
+    elif fuse and unfused_only:
+        raise ExportError(
+            "ExecuTorch's CUDA backend cannot run the fused projections' split (no split_copy "
+            "kernel); export without fuse_projections"
+        )
     impl = step_impl or default_step_impl(device)
     if decode_method is None:
         decode_method = pt2 and default_decode_method(device)

@@ -100,3 +100,14 @@ def test_portable_only_pte_passes_the_check_too(tmp_path):
     cli("export", EXAMPLE, "-o", str(out), "--format", "executorch", "--executorch-backend", "portable")
     proc = cli("check", str(out), "--model", EXAMPLE, "--steps", "4")
     assert "PASSED" in proc.stdout
+
+
+def test_cuda_backend_takes_the_projections_unfused(tmp_path, example_bundle):
+    """ExecuTorch's CUDA backend has no kernel for the fused projections' split: asked for both,
+    the export is refused before anything is traced (the default for that backend is unfused)."""
+    from offgraph_export.errors import ExportError
+    from offgraph_export.pipeline import export_and_lower
+
+    with pytest.raises(ExportError, match="no split_copy kernel"):
+        export_and_lower(example_bundle, tmp_path / "x.pte", device="cuda", format="executorch", fuse=True)
+    assert not list(tmp_path.iterdir())
