@@ -213,6 +213,8 @@ def lower(
     if max_autotune not in AUTOTUNE_CHOICES:
         raise ExportError(f"unknown max_autotune {max_autotune!r}; expected one of {AUTOTUNE_CHOICES}")
     if format == "pt2":
+        if max_autotune == "decode" and program.decode is None:
+            raise ExportError("max_autotune='decode' tunes the decode method, which this program lacks; use 'all' or 'none'")
         specs = program.artifact_specs(device, options={"max_autotune": max_autotune}, **model_info)
         return compile_package(program.programs, path, specs, progress)
     if program.decode is not None or max_autotune != "none":
@@ -268,7 +270,9 @@ def export_and_lower(
     if decode_method is None:
         decode_method = pt2 and default_decode_method(device)
     if max_autotune is None:
-        max_autotune = default_max_autotune(device) if pt2 else "none"
+        max_autotune = default_max_autotune(device) if pt2 and decode_method else "none"
+    if decode_gemv and not (pt2 and decode_method and target_device.startswith("cuda")):
+        raise ExportError("the GEMV projections are a cuda kernel for the pt2 decode method; export for cuda with decode_method=True")
     model = bundle.model.to(device).requires_grad_(False)
     inputs = tuple(x.to(device) for x in bundle.example_inputs)
     timings: dict[str, float] = {}
@@ -278,8 +282,6 @@ def export_and_lower(
     timings["export_s"] = time.perf_counter() - t0
     progress(f"running passes (step impl: {impl})")
     t0 = time.perf_counter()
-    if decode_gemv and not decode_method:
-        raise ExportError("the GEMV projections apply to the decode method; export with decode_method=True")
     program = run_passes(
         ep, inputs, bundle.cache_config, impl, fuse=fuse, decode_method=decode_method, decode_gemv=decode_gemv
     )

@@ -86,18 +86,28 @@ def test_decode_method_gets_the_one_token_kernels():
     assert _kernel_names(program.stripped) == {"_write_rows_kernel", "_attend_kernel", "_combine_splits_kernel"}
 
 
-def test_decode_gemv_rewrites_the_one_row_projections_of_the_decode_method_only():
+def test_decode_gemv_rewrites_the_one_row_projections_of_the_decode_method():
+    """On the decode method every bias-free linear is one row (the example's widest has 256
+    outputs): all are rewritten where the kernel may run; a cpu program is left alone by default
+    (the kernel is a GPU kernel; the Triton interpreter is the only cpu runner)."""
     pytest.importorskip("triton")
+    from offgraph_export.passes.decode_gemv import decode_gemv
+
     bundle = load_bundle(EXAMPLE)
     inputs = bundle.example_inputs
     ep = export_model(bundle.model.requires_grad_(False), inputs, bundle.token_dims, bundle.cache_config.max_write)
-    program = run_passes(ep, inputs, bundle.cache_config, "triton", decode_method=True, decode_gemv=True)
-    linears = sum(n.target is torch.ops.aten.linear.default for n in program.pass_results["strip_kv_cache"].program.graph.nodes)
-    result = program.pass_results["decode_gemv"]
-    assert result.modified and result.produced == linears == 9  # q|k|v, o, gate|up, down per layer; lm_head
-    assert "_gemv_kernel" in _kernel_names(program.decode)
-    assert "_gemv_kernel" not in _kernel_names(program.stripped)
-    assert program.options["decode_gemv"] is True
+    program = run_passes(ep, inputs, bundle.cache_config, "triton")
+    stripped = program.pass_results["strip_kv_cache"].program
+    linears = sum(n.target is torch.ops.aten.linear.default for n in stripped.graph.nodes)
+    assert linears == 9  # q|k|v, o, gate|up, down per layer; lm_head
+    assert not decode_gemv(specialize_width(stripped, program.step_width).program).modified
+    fixed = specialize_width(stripped, program.step_width).program
+    result = decode_gemv(fixed, device_types=("cpu",))
+    assert result.modified and result.produced == linears
+    gemv = torch.ops.offgraph_lowered.triton_gemv.default
+    assert sum(n.target is gemv for n in fixed.graph.nodes) == linears
+    # the general step (a symbolic number of rows) has no one-row linear
+    assert not decode_gemv(stripped, device_types=("cpu",)).modified
 
 
 # -- the package ----------------------------------------------------------------------------------
@@ -125,7 +135,7 @@ def _constants(path: Path) -> dict[str, torch.Tensor]:
     return load_method_weights(path, [STEP_METHOD], torch.device("cpu"))[STEP_METHOD]
 
 
-def test_methods_share_the_loaded_weight_tensors(decode_artifact):
+def test_the_loader_gives_both_methods_the_same_weight_tensors(decode_artifact):
     from offgraph_export.runtime.weights import load_method_weights
 
     weights = load_method_weights(decode_artifact, [STEP_METHOD, DECODE_METHOD], torch.device("cpu"))
@@ -140,7 +150,14 @@ def test_methods_share_the_loaded_weight_tensors(decode_artifact):
 def test_one_token_steps_run_the_decode_method_and_match_the_general_step(loaded):
     bundle = load_bundle(EXAMPLE)
     tokens = _tokens(40)
-    fast, general = loaded.new_session(), loaded.new_session()
+    spied = Artifact(loaded.path, loaded.specs, loaded.methods)
+    calls = {name: 0 for name in spied._runs}
+    for name, run in list(spied._runs.items()):
+        def counted(flat, name=name, run=run):
+            calls[name] += 1
+            return run(flat)
+        spied._runs[name] = counted
+    fast = spied.new_session()
     general_artifact = Artifact(loaded.path, loaded.specs, loaded.methods)
     general_artifact.method_for = lambda width: STEP_METHOD  # type: ignore[method-assign]
     general = general_artifact.new_session()
@@ -151,6 +168,7 @@ def test_one_token_steps_run_the_decode_method_and_match_the_general_step(loaded
         want = general.step(*bundle.make_inputs(tokens[:, i : i + 1], i))[0]
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert fast.metrics().decode_method_steps == 20 and general.metrics().decode_method_steps == 0
+    assert calls == {STEP_METHOD: 1, DECODE_METHOD: 20}  # the compiled decode method really ran
     assert fast.metrics().growth_count == general.metrics().growth_count == 2
     for a, b in zip(fast.storage.bound(), general.storage.bound()):
         torch.testing.assert_close(a[:, :, :40], b[:, :, :40], atol=1e-5, rtol=1e-5)
@@ -206,7 +224,7 @@ def _decode_entry(name: str, part: str) -> bool:
     "case, edit, message",
     [
         ("specs-deny-decode", specs_edit(lambda s: s.update(decode_method=False)),
-         r"holds compiled methods \['decode', 'model'\] but its specs name \['model'\]"),
+         r"data/aotinductor/decode/.* is not part of an offgraph package"),
         ("decode-missing", lambda n, d: None if f"/data/aotinductor/{DECODE_METHOD}/" in n else d,
          r"holds compiled methods \['model'\] but its specs name \['model', 'decode'\]"),
         ("weights-config-names-missing-file",
@@ -218,12 +236,69 @@ def _decode_entry(name: str, part: str) -> bool:
         ("weights-config-bad-file-name",
          lambda n, d: d.replace(b'"weight_0"', b'"../weight_0"') if _decode_entry(n, "weights_config.json") else d,
          r"not a valid weights config"),
+        ("weights-config-huge-view",
+         lambda n, d: _edit_first_view(d, shape=[2**40, 2**40], stride=[0, 0]) if _decode_entry(n, "weights_config.json") else d,
+         r"not a valid view|reaches element"),
+        ("weights-config-shrunk-view",
+         lambda n, d: _edit_first_view(d, shrink=True) if _decode_entry(n, "weights_config.json") else d,
+         r"but the program was compiled for"),
+        ("weights-config-renames-a-constant",
+         lambda n, d: _rename_first(d) if _decode_entry(n, "weights_config.json") else d,
+         r"names \['evil.weight'\], which are not constants the program was compiled for"),
+        ("weight-file-not-a-pickle",
+         lambda n, d: b"not a pickle at all" if n.endswith("/data/weights/weight_0") else d,
+         r"weight_0 is not a readable tensor file"),
+        ("weight-file-other-dtype",
+         lambda n, d: _as_dtype(d, torch.float64) if n.endswith("/data/weights/weight_0") else d,
+         r"is float64 .* but the program was compiled for \['float32'"),
+        ("weight-file-holds-a-dict",
+         lambda n, d: _saved({"x": torch.zeros(1)}) if n.endswith("/data/weights/weight_0") else d,
+         r"holds a dict, not a tensor"),
     ],
     ids=lambda v: v if isinstance(v, str) and " " not in v and "\\" not in v else "",
 )
 def test_loader_refuses_inconsistent_methods(decode_artifact, tmp_path, case, edit, message):
     bad = rewrite(decode_artifact, tmp_path / "tiny_decode.pt2", edit)
     with pytest.raises(ArtifactError, match=message):
+        Artifact.load(bad)
+
+
+def _edit_first_view(data: bytes, shape=None, stride=None, shrink=False) -> bytes:
+    config = json.loads(data)
+    name = next(n for n, v in config.items() if v[0] == "weight_0")
+    file, old_shape, old_stride, offset = config[name]
+    if shrink:
+        old_shape = [max(1, s // 2) for s in old_shape]
+    config[name] = [file, shape or old_shape, stride or old_stride, offset]
+    return json.dumps(config).encode()
+
+
+def _rename_first(data: bytes) -> bytes:
+    config = json.loads(data)
+    name = next(iter(config))
+    config["evil.weight"] = config.pop(name)
+    return json.dumps(config).encode()
+
+
+def _saved(obj) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _as_dtype(data: bytes, dtype) -> bytes:
+    import io
+
+    return _saved(torch.load(io.BytesIO(data), weights_only=True).to(dtype))
+
+
+def test_loader_refuses_entries_it_did_not_write(decode_artifact, tmp_path):
+    """An exported program (pickled constants torch's loader would unpickle) or any other stray
+    entry is refused before anything in the archive is read."""
+    bad = rewrite(decode_artifact, tmp_path / "tiny_decode.pt2", extra=[("tiny_decode/models/evil.json", b"{}")])
+    with pytest.raises(ArtifactError, match=r"models/evil.json' is not part of an offgraph package"):
         Artifact.load(bad)
 
 

@@ -538,6 +538,19 @@ def test_interp_gemv_matches_linear(n, k, dtype):
     torch.testing.assert_close(got.float(), want.float(), **_tolerance(dtype))
 
 
+@interpreter_only
+def test_interp_gemv_reads_a_strided_row():
+    """A row that is a strided view (every other element) gives the same result as its copy."""
+    from offgraph_export.lowering.triton_gemv import triton_gemv
+
+    gen = torch.Generator().manual_seed(1)
+    wide = torch.randn(1, 1, 2 * 200, generator=gen)
+    w = torch.randn(48, 200, generator=gen)
+    x = wide[..., ::2]
+    assert x.stride(-1) == 2
+    torch.testing.assert_close(triton_gemv(x, w), torch.nn.functional.linear(x, w), atol=2e-5, rtol=2e-5)
+
+
 def test_gemv_applies_only_to_narrow_one_row_linears():
     from offgraph_export.lowering.triton_gemv import MAX_GEMV_ROWS, gemv_applies
 

@@ -25,7 +25,7 @@ from typing import Any
 from torch.export import ExportedProgram
 
 from offgraph_export.compat import unlifted_module
-from offgraph_export.errors import ExportError
+from offgraph_export.errors import ArtifactError, ExportError
 from offgraph_export.specs.artifact import (
     METHOD_KEY,
     PROGRAM_KEY,
@@ -33,22 +33,37 @@ from offgraph_export.specs.artifact import (
     ArtifactSpecs,
     write_artifact_specs,
 )
+from offgraph_export.specs.constants import CONSTANTS_KEY, check_constants, describe_constants
 from offgraph_export.specs.manifest import MANIFEST_KEY
 from offgraph_export.specs.step_width import STEP_WIDTH_KEY
 
-__all__ = ["AUTOTUNE_CHOICES", "compile_package", "aoti_metadata", "inductor_configs", "autotuned"]
+__all__ = [
+    "AUTOTUNE_CHOICES",
+    "compile_package",
+    "aoti_metadata",
+    "inductor_configs",
+    "autotuned",
+    "program_constants",
+]
 
 #: ``max_autotune`` option values: which methods' GEMMs inductor tunes by benchmarking candidates
 #: on the device at compile time (slower compile, faster small-batch GEMMs).
 AUTOTUNE_CHOICES = ("none", "decode", "all")
 
 
-def aoti_metadata(specs: ArtifactSpecs, method: str = STEP_METHOD) -> dict[str, str]:
+def program_constants(ep: ExportedProgram) -> dict[str, Any]:
+    """The tensors AOTInductor stores as the program's constants, by the names it gives them."""
+    return {k: v for k, v in {**ep.state_dict, **ep.constants}.items() if hasattr(v, "dtype")}
+
+
+def aoti_metadata(specs: ArtifactSpecs, method: str = STEP_METHOD, constants: str = "{}") -> dict[str, str]:
+    """``constants``: the method's :func:`~offgraph_export.specs.constants.describe_constants`."""
     return {
         STEP_WIDTH_KEY: specs.step_width.format(),
         MANIFEST_KEY: specs.manifest.to_json(),
         PROGRAM_KEY: specs.program_description(method),
         METHOD_KEY: method,
+        CONSTANTS_KEY: constants,
     }
 
 
@@ -58,18 +73,31 @@ def autotuned(specs: ArtifactSpecs, method: str) -> bool:
     return choice == "all" or (choice == "decode" and method != STEP_METHOD)
 
 
-def inductor_configs(specs: ArtifactSpecs, method: str) -> dict[str, Any]:
+def inductor_configs(specs: ArtifactSpecs, method: str, constants: str = "{}") -> dict[str, Any]:
     """The inductor options ``method`` is compiled with: metadata, weights kept out of the
     compiled library (so methods share them), and max-autotune where the specs ask for it."""
     configs: dict[str, Any] = {
         "aot_inductor.package": True,
-        "aot_inductor.metadata": aoti_metadata(specs, method),
+        "aot_inductor.metadata": aoti_metadata(specs, method, constants),
         "aot_inductor.package_constants_in_so": False,
         "aot_inductor.package_constants_on_disk_format": "pickle_weights",
     }
     if autotuned(specs, method):
         configs["max_autotune"] = True
     return configs
+
+
+def _check_stored_weights(files: list[Any], constants: str, method: str) -> None:
+    """The weights AOTInductor is about to store for ``method`` are the constants described in its
+    metadata (names, dtypes, shapes): otherwise the package could never load."""
+    # AOTInductor lists the weights it will store as a dict (its ``Weights``) of name -> (tensor, properties).
+    stored = next((f for f in files if isinstance(f, dict)), None)
+    if stored is None:
+        raise ExportError(f"AOTInductor kept method {method!r}'s weights inside its library; expected them on disk")
+    try:
+        check_constants({name: tensor for name, (tensor, _) in stored.items()}, constants, method, "the compiled package")
+    except ArtifactError as exc:
+        raise ExportError(str(exc)) from exc
 
 
 def compile_package(
@@ -99,10 +127,14 @@ def compile_package(
             tuned = " with max-autotune" if autotuned(specs, method) else ""
             progress(f"compiling method {method!r} for {specs.device}{tuned}")
             args, kwargs = ep.example_inputs
+            constants = describe_constants(program_constants(ep))
             try:
-                files[method] = aot_compile(unlifted_module(ep), args, kwargs, options=inductor_configs(specs, method))
+                files[method] = aot_compile(
+                    unlifted_module(ep), args, kwargs, options=inductor_configs(specs, method, constants)
+                )
             except Exception as exc:  # inductor raises many types; keep the cause chained
                 raise ExportError(f"AOTInductor compile of method {method!r} for {specs.device} failed: {exc}") from exc
+            _check_stored_weights(files[method], constants, method)
         try:
             package_aoti(str(tmp), files)
         except Exception as exc:

@@ -443,7 +443,8 @@ def _decode_attend_kernel(
     the multi-token split variant (:func:`_split_plan`), and split 0 adds the new position and
     writes its row (dropped, as in :func:`_write_rows_kernel`, when the storage cannot hold it).
     Row ``p mod rows`` is never among the rows read: a flat layer has not written it before and
-    in a ring it holds position ``p - rows < lo``. One split in use writes the output; several
+    in a ring it holds position ``p - rows < lo``. (A flat position at or past ``rows``, which the
+    runtime never passes, is attended from k/v but not stored.) One split in use writes the output; several
     leave partial ``(max, sum, acc)`` rows for :func:`_decode_combine_kernel`."""
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)

@@ -77,7 +77,7 @@ def gemv_applies(x_shape, w_shape) -> bool:
 def _gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     n, k = int(w.shape[0]), int(w.shape[1])
     torch._check(w.stride(1) == 1, lambda: "the weight must be row-major")
-    flat = x.reshape(k)
+    flat = x.reshape(k).contiguous()  # the kernel reads x with unit stride
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     block_n = _block_n(n)
     torch.library.wrap_triton(_gemv_kernel)[(triton.cdiv(n, block_n), 1, 1)](

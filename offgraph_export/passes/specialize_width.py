@@ -18,7 +18,7 @@ import torch
 from torch.export import ExportedProgram
 
 from offgraph_export.errors import ExportError
-from offgraph_export.passes.graph_utils import input_dynamic_shapes, size_expr, user_input_nodes
+from offgraph_export.passes.graph_utils import describe_inputs, input_dynamic_shapes, size_expr, user_input_nodes
 from offgraph_export.passes.result import PassResult
 from offgraph_export.specs.step_width import StepWidthSpec
 
@@ -58,4 +58,35 @@ def specialize_width(stripped: ExportedProgram, step_width: StepWidthSpec, width
     got = list(ep.graph_signature.user_inputs)
     if got != names:
         raise ExportError(f"the width-{width} method takes inputs {got}, expected {names}")
+    _check_same_inputs(stripped, ep, symbol, width)
     return PassResult(ep, modified=True, produced=symbol)
+
+
+def _check_same_inputs(general: ExportedProgram, fixed: ExportedProgram, symbol: str, width: int) -> None:
+    """The re-traced program takes what the general one takes with the width at ``width``: same
+    dtypes and static sizes, and every other dynamic dim dynamic with the same range (symbols
+    may be renamed, consistently). The specs describe the decode method by this rule, so it must
+    hold of the traced program, not only of the description."""
+    n = len(general.graph_signature.user_inputs)
+    want, want_symbols = describe_inputs(general, n)
+    have, have_symbols = describe_inputs(fixed, n)
+    renamed: dict[str, str] = {}
+    for a, b in zip(want, have):
+        problem = None
+        if a.dtype != b.dtype or len(a.shape) != len(b.shape):
+            problem = f"{b.dtype} {b.shape} where the general step takes {a.dtype} {a.shape}"
+        for x, y in zip(a.shape, b.shape):
+            if problem:
+                break
+            if x == symbol:
+                ok = y == width
+            elif isinstance(x, int):
+                ok = x == y
+            else:
+                ok = isinstance(y, str) and renamed.setdefault(x, y) == y and want_symbols[x] == have_symbols[y]
+            if not ok:
+                problem = f"shape {b.shape} where the general step takes {a.shape} ({symbol} = {width})"
+        if problem:
+            raise ExportError(f"the width-{width} method's input {a.name!r} is {problem}")
+    if len(set(renamed.values())) != len(renamed):
+        raise ExportError(f"the width-{width} method merged dynamic sizes the general step keeps apart: {renamed}")

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from offgraph_export.errors import ArtifactError, SpecError
-from offgraph_export.runtime.weights import load_method_weights, package_methods
-from offgraph_export.specs.archive import check_archive
+from offgraph_export.runtime.weights import load_method_weights
+from offgraph_export.specs.archive import check_archive, check_pt2_layout
 from offgraph_export.specs.artifact import (
     DECODE_METHOD,
     METHOD_KEY,
@@ -26,6 +26,7 @@ from offgraph_export.specs.artifact import (
     ArtifactSpecs,
     read_artifact_specs,
 )
+from offgraph_export.specs.constants import CONSTANTS_KEY, check_constants
 from offgraph_export.specs.manifest import MANIFEST_KEY, parse_manifest
 from offgraph_export.specs.step_width import STEP_WIDTH_KEY, parse_step_width
 
@@ -58,11 +59,7 @@ class Artifact:
         specs = read_artifact_specs(path, verify_crc=True)
         if specs.device == "cuda" and not torch.cuda.is_available():
             raise ArtifactError(f"{path} was compiled for cuda but no CUDA device is available")
-        held = package_methods([i.filename for i in check_archive(path, verify_crc=False)], str(path))
-        if held != sorted(specs.methods):
-            raise ArtifactError(
-                f"{path}: the package holds compiled methods {held} but its specs name {specs.methods}"
-            )
+        check_pt2_layout([i.filename for i in check_archive(path, verify_crc=False)], str(path), specs.methods)
         try:
             from torch.export.pt2_archive._package import load_pt2
 
@@ -74,6 +71,7 @@ class Artifact:
         device = torch.device("cuda", torch.cuda.current_device()) if specs.device == "cuda" else torch.device("cpu")
         weights = load_method_weights(path, specs.methods, device)
         for method in specs.methods:
+            check_constants(weights[method], runners[method].get_metadata()[CONSTANTS_KEY], method, str(path))
             try:
                 runners[method].load_constants(weights[method], check_full_update=True, user_managed=True)
             except Exception as exc:  # C++ errors: a missing or mis-shaped constant
@@ -83,7 +81,7 @@ class Artifact:
     @staticmethod
     def _cross_check(path: Path, specs: ArtifactSpecs, compiled: object, method: str) -> None:
         metadata = compiled.get_metadata()  # type: ignore[attr-defined]
-        missing = [k for k in (STEP_WIDTH_KEY, MANIFEST_KEY, PROGRAM_KEY, METHOD_KEY) if k not in metadata]
+        missing = [k for k in (STEP_WIDTH_KEY, MANIFEST_KEY, PROGRAM_KEY, METHOD_KEY, CONSTANTS_KEY) if k not in metadata]
         if missing:
             raise ArtifactError(
                 f"{path}: method {method!r}: the compiled program's metadata lacks {missing}; "

@@ -26,13 +26,20 @@ from offgraph_export.errors import ArtifactError
 from offgraph_export.specs.archive import archive_root
 from offgraph_export.specs.limits import MAX_JSON_BYTES, loads_limited
 
-__all__ = ["WEIGHTS_DIR", "AOTI_DIR", "WeightView", "package_methods", "load_method_weights"]
+__all__ = [
+    "WEIGHTS_DIR",
+    "AOTI_DIR",
+    "WeightView",
+    "load_method_weights",
+]
 
 WEIGHTS_DIR = "data/weights/"
 AOTI_DIR = "data/aotinductor/"
 _WEIGHT_FILE = re.compile(r"^weight_[0-9]{1,9}$")
 
-Size = Annotated[int, Field(ge=0)]
+#: Sizes, strides and offsets beyond this are refused (no real tensor comes near it).
+MAX_EXTENT = 1 << 48
+Size = Annotated[int, Field(ge=0, le=MAX_EXTENT)]
 
 
 class WeightView(BaseModel):
@@ -61,12 +68,6 @@ class WeightView(BaseModel):
 
 class _Config(RootModel[dict[str, list[object]]]):
     pass
-
-
-def package_methods(names: list[str], source: str) -> list[str]:
-    """The AOTI model names (methods) a package's entries hold, sorted."""
-    root = archive_root(names, source) + AOTI_DIR
-    return sorted({n[len(root):].split("/", 1)[0] for n in names if n.startswith(root) and "/" in n[len(root):]})
 
 
 def _read_config(archive: zipfile.ZipFile, entry: str, source: str) -> dict[str, WeightView]:
@@ -112,7 +113,10 @@ def load_method_weights(
                     entry = f"{root}{WEIGHTS_DIR}{view.file}"
                     if entry not in names:
                         raise ArtifactError(f"{source}: a weights config names {view.file!r}, which the archive lacks")
-                    loaded = torch.load(io.BytesIO(archive.read(entry)), map_location=device, weights_only=True)
+                    try:
+                        loaded = torch.load(io.BytesIO(archive.read(entry)), map_location=device, weights_only=True)
+                    except Exception as exc:  # a bad pickle raises UnpicklingError, others
+                        raise ArtifactError(f"{source}: {entry} is not a readable tensor file: {exc}") from exc
                     if not isinstance(loaded, torch.Tensor):
                         raise ArtifactError(f"{source}: {entry} holds a {type(loaded).__name__}, not a tensor")
                     files[view.file] = loaded
@@ -131,5 +135,9 @@ def load_method_weights(
                     f"{source}: weight {name!r} of method {method!r} reaches element {view.extent()} "
                     f"of {view.file}, which holds {held}"
                 )
-            out[method][name] = base.as_strided(view.shape, view.stride, view.offset)
+            try:
+                out[method][name] = base.as_strided(view.shape, view.stride, view.offset)
+            except Exception as exc:  # sizes that fit the storage but not torch's limits
+                raise ArtifactError(f"{source}: weight {name!r} of method {method!r} is not a valid view: {exc}") from exc
     return out
+

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import os
 import posixpath
+import re
 import stat
 import zipfile
 from pathlib import Path
 
 from offgraph_export.errors import ArtifactError
 
-__all__ = ["ROOT_MARKER", "check_archive", "archive_root", "regular_file"]
+__all__ = ["ROOT_MARKER", "check_archive", "archive_root", "regular_file", "check_pt2_layout"]
 
 #: The entry that marks a PT2 archive's root folder (``<root>/archive_format``).
 ROOT_MARKER = "archive_format"
@@ -108,3 +109,34 @@ def check_archive(path: str | os.PathLike, verify_crc: bool = True) -> list[zipf
     except OSError as exc:
         raise ArtifactError(f"{source} cannot be read: {exc}") from exc
     return infos
+
+
+#: Entries a package of this project holds besides its methods' folders, relative to the root.
+_PT2_FILES = frozenset(
+    {"archive_format", "archive_version", "byteorder", ".data/version", ".data/serialization_id",
+     "extra/offgraph_specs.json"}
+)
+_WEIGHT_ENTRY = re.compile(r"data/weights/weight_[0-9]{1,9}")
+_METHOD_ENTRY = re.compile(r"data/aotinductor/([A-Za-z0-9_]+)/[A-Za-z0-9_.\-]+")
+
+
+def check_pt2_layout(names: list[str], source: str, methods: list[str]) -> None:
+    """Every entry of a ``.pt2`` is one this project writes: the archive's bookkeeping files, the
+    specs, ``data/weights/weight_<n>`` and the files of the named ``methods`` (one folder each
+    under ``data/aotinductor/``, all present). Anything else, exported programs or pickled
+    constants above all (torch's loader would unpickle them), is refused before any is read."""
+    root = archive_root(names, source)
+    held = set()
+    for name in names:
+        rel = name[len(root):]
+        if rel in _PT2_FILES or _WEIGHT_ENTRY.fullmatch(rel) or rel.endswith("/"):
+            continue
+        match = _METHOD_ENTRY.fullmatch(rel)
+        if match and match.group(1) in methods:
+            held.add(match.group(1))
+            continue
+        raise ArtifactError(f"{source}: archive entry {name!r} is not part of an offgraph package; refusing to load it")
+    if held != set(methods):
+        raise ArtifactError(
+            f"{source}: the package holds compiled methods {sorted(held)} but its specs name {methods}"
+        )

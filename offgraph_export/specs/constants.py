@@ -1,0 +1,52 @@
+"""What each compiled method was built for, besides its inputs: its constants (weights) by name,
+with dtype and shape. Compiled into every method's AOTI metadata (:data:`CONSTANTS_KEY`) at export
+and compared with the weights handed to the method at load: the compiled code reads them in place
+and checks nothing itself, so a weights config that shrinks a view or a weight file of another
+dtype would otherwise be read past its end. Works on anything with ``dtype`` and ``shape`` (no torch
+import here)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from offgraph_export.errors import ArtifactError
+from offgraph_export.specs.limits import loads_limited
+
+__all__ = ["CONSTANTS_KEY", "describe_constants", "check_constants"]
+
+#: AOTI metadata key of a method's constants description.
+CONSTANTS_KEY = "offgraph_constants"
+
+
+def check_constants(weights: Mapping[str, Any], description: str, method: str, source: str) -> None:
+    """Every weight handed to ``method`` must be one of the constants its compiled program was
+    built for, with that constant's dtype and shape (``description``: the program's own metadata,
+    see :func:`describe_constants`): the compiled code reads them in place, unchecked. A described
+    constant may be absent (the compiler folds some, e.g. RoPE frequency buffers, into code); one
+    the program needs and lacks is refused by the loader's full-update check."""
+    data = loads_limited(description, f"{source}: method {method!r} constants", ArtifactError)
+    if not isinstance(data, dict):
+        raise ArtifactError(f"{source}: method {method!r}: the compiled constants description is not an object")
+    extra = sorted(set(weights) - set(data))
+    if extra:
+        raise ArtifactError(
+            f"{source}: method {method!r}: the weights config names {extra[:3]}, which are not "
+            "constants the program was compiled for"
+        )
+    for name, tensor in weights.items():
+        want = data[name]
+        got = [str(tensor.dtype).removeprefix("torch."), list(tensor.shape)]
+        if want != got:
+            raise ArtifactError(
+                f"{source}: method {method!r}: weight {name!r} is {got[0]} {got[1]} but the program "
+                f"was compiled for {want}"
+            )
+
+
+def describe_constants(constants: Mapping[str, Any]) -> str:
+    """Canonical JSON ``{name: [dtype, shape]}`` of a program's constants (compiled into each
+    method's metadata at export, compared by :func:`check_constants` at load)."""
+    data = {name: [str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in constants.items()}
+    return json.dumps(data, sort_keys=True, separators=(",", ":"))
