@@ -194,15 +194,7 @@ def load_hf(config_dir: str):
 def static_cache_module(model, max_cache_len: int):
     from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
 
-    module = TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=max_cache_len, device=device())
-    # Some transformers versions keep each layer's write offset (``cumulative_length``) as a plain
-    # tensor attribute, which export lifts as a constant it then refuses to mutate: register it.
-    registered = {id(b) for b in module.buffers()}
-    for i, layer in enumerate(module.static_cache.layers):
-        length = getattr(layer, "cumulative_length", None)
-        if isinstance(length, torch.Tensor) and id(length) not in registered:
-            module.register_buffer(f"offgraph_cumulative_length_{i}", length, persistent=False)
-    return module
+    return TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=max_cache_len, device=device())
 
 
 def cache_bytes(module) -> int:
@@ -259,7 +251,11 @@ def build_hf_aoti(args) -> None:
     ids = torch.zeros(1, 1, dtype=torch.long, device=device())
     pos = torch.zeros(1, dtype=torch.long, device=device())
     t0 = time.perf_counter()
-    ep = torch.export.export(module, args=(), kwargs={"input_ids": ids, "cache_position": pos}, strict=False)
+    # strict=True: dynamo sees that the cache layers' tensors are the module's registered buffers.
+    # Non-strict export lifts the layers' own references (e.g. ``cumulative_length``) as constants
+    # and AOTInductor then refuses to mutate them (seen with torch 2.13 + transformers 5.24 on cpu,
+    # torch 2.11 + transformers 5.17 on the H200); strict export compiles and matches eager on cpu.
+    ep = torch.export.export(module, args=(), kwargs={"input_ids": ids, "cache_position": pos}, strict=True)
     export_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     path = torch._inductor.aoti_compile_and_package(ep, package_path=str(Path(args.artifacts) / "hf_aoti.pt2"))
