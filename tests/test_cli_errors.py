@@ -103,7 +103,7 @@ def test_user_error_is_one_line_exit_2(name, tmp_path, example_artifact):
     (tmp_path / "dir.pt2").mkdir()
     cases = _cases(tmp_path, example_artifact)
     if name not in cases:
-        pytest.skip("this machine has a GPU")
+        pytest.skip("case for a machine without a CUDA device; this one has one")
     argv, message, _ = cases[name]
     started = time.perf_counter()
     proc = cli(*argv, check=False)

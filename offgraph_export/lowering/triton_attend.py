@@ -231,6 +231,47 @@ def _split_plan(lo, hi, num_splits, MIN_SPLIT_KEYS: tl.constexpr, BLOCK_N: tl.co
 
 
 @triton.jit
+def _block_scores(q, k_base, key_row, key_ok, sk_r, offs_d, d_ok, qk_scale, QK_FP32: tl.constexpr):
+    """Scores (log2 domain, fp32) of the query tile against one block of stored keys, loaded
+    already transposed (``[BLOCK_D, BLOCK_N]``); keys outside ``key_ok`` load as 0 (the caller
+    masks their scores)."""
+    k = tl.load(
+        k_base + key_row[None, :] * sk_r + offs_d[:, None],
+        mask=key_ok[None, :] & d_ok[:, None],
+        other=0.0,
+    )
+    if QK_FP32:
+        s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
+    else:
+        s = tl.dot(q, k)
+    # Inductor may hand a Python float argument to the kernel as fp64: keep the scores fp32 so
+    # the loop-carried softmax state keeps one type.
+    return (s * qk_scale).to(tl.float32)
+
+
+@triton.jit
+def _block_accumulate(s, v_base, key_row, key_ok, sv_r, offs_dv, dv_ok, m_i, l_i, acc, PV_FP32: tl.constexpr):
+    """One online-softmax step over a block of masked scores ``s`` (-inf where unseen) and the
+    block's stored values: returns the new ``(max, sum, acc)``."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # A row with nothing seen yet keeps m = -inf; subtract 0 then so exp2 gives 0, not NaN.
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(
+        v_base + key_row[:, None] * sv_r + offs_dv[None, :],
+        mask=key_ok[:, None] & dv_ok[None, :],
+        other=0.0,
+    )
+    if PV_FP32:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _attend_kernel(
     q_ptr, k_store_ptr, v_store_ptr, pos_ptr, out_ptr,
     part_acc_ptr, part_m_ptr, part_l_ptr,
@@ -298,42 +339,14 @@ def _attend_kernel(
         p_abs = start + tl.arange(0, BLOCK_N)
         key_ok = p_abs < k_hi
         key_row = _storage_row(p_abs, rows)
-        # K is loaded already transposed: [BLOCK_D, BLOCK_N].
-        k = tl.load(
-            k_base + key_row[None, :] * sk_r + offs_d[:, None],
-            mask=key_ok[None, :] & d_ok[:, None],
-            other=0.0,
-        )
-        if QK_FP32:
-            s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
-        else:
-            s = tl.dot(q, k)
-        # Inductor may hand a Python float argument to the kernel as fp64: keep the scores fp32
-        # so the loop-carried softmax state keeps one type.
-        s = (s * qk_scale).to(tl.float32)
+        s = _block_scores(q, k_base, key_row, key_ok, sk_r, offs_d, d_ok, qk_scale, QK_FP32)
         seen = key_ok[None, :] & row_ok[:, None] & (p_abs[None, :] <= qpos[:, None])
         if HAS_WINDOW:
             seen = seen & (p_abs[None, :] > qpos[:, None] - window)
         s = tl.where(seen, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # A row with nothing seen yet keeps m = -inf; subtract 0 then so exp2 gives 0, not NaN.
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(s - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-
-        v = tl.load(
-            v_base + key_row[:, None] * sv_r + offs_dv[None, :],
-            mask=key_ok[:, None] & dv_ok[None, :],
-            other=0.0,
+        m_i, l_i, acc = _block_accumulate(
+            s, v_base, key_row, key_ok, sv_r, offs_dv, dv_ok, m_i, l_i, acc, PV_FP32
         )
-        if PV_FP32:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
 
     out_tile = (
         out_ptr + b * so_b + head[:, None] * so_h + tok[:, None] * so_t + offs_dv[None, :]
@@ -482,33 +495,11 @@ def _decode_attend_kernel(
         p_abs = start + tl.arange(0, BLOCK_N)
         key_ok = p_abs < k_hi
         key_row = _storage_row(p_abs, rows)
-        k = tl.load(
-            k_base + key_row[None, :] * sks_r + offs_d[:, None],
-            mask=key_ok[None, :] & d_ok[:, None],
-            other=0.0,
-        )
-        if QK_FP32:
-            s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
-        else:
-            s = tl.dot(q, k)
-        s = (s * qk_scale).to(tl.float32)
+        s = _block_scores(q, k_base, key_row, key_ok, sks_r, offs_d, d_ok, qk_scale, QK_FP32)
         s = tl.where(key_ok[None, :] & row_ok[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(s - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(
-            v_base + key_row[:, None] * svs_r + offs_dv[None, :],
-            mask=key_ok[:, None] & dv_ok[None, :],
-            other=0.0,
+        m_i, l_i, acc = _block_accumulate(
+            s, v_base, key_row, key_ok, svs_r, offs_dv, dv_ok, m_i, l_i, acc, PV_FP32
         )
-        if PV_FP32:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
 
     # Split 0: the step's own position, from k/v as the storage will hold them, and its row write.
     first = split == 0

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import io
 import os
-import re
 import zipfile
 from typing import Annotated
 
@@ -23,19 +22,14 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError
 
 from offgraph_export.errors import ArtifactError
-from offgraph_export.specs.archive import archive_root
+from offgraph_export.specs.archive import AOTI_DIR, WEIGHT_FILE, WEIGHTS_DIR, archive_root
 from offgraph_export.specs.limits import MAX_JSON_BYTES, loads_limited
 
 __all__ = [
-    "WEIGHTS_DIR",
-    "AOTI_DIR",
     "WeightView",
     "load_method_weights",
 ]
 
-WEIGHTS_DIR = "data/weights/"
-AOTI_DIR = "data/aotinductor/"
-_WEIGHT_FILE = re.compile(r"^weight_[0-9]{1,9}$")
 
 #: Sizes, strides and offsets beyond this are refused (no real tensor comes near it).
 MAX_EXTENT = 1 << 48
@@ -47,7 +41,7 @@ class WeightView(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    file: str = Field(pattern=_WEIGHT_FILE.pattern)
+    file: str = Field(pattern=f"^{WEIGHT_FILE}$")
     shape: list[Size] = Field(max_length=16)
     stride: list[Size] = Field(max_length=16)
     offset: Size

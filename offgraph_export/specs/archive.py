@@ -19,7 +19,16 @@ from pathlib import Path
 
 from offgraph_export.errors import ArtifactError
 
-__all__ = ["ROOT_MARKER", "check_archive", "archive_root", "regular_file", "check_pt2_layout"]
+__all__ = [
+    "ROOT_MARKER",
+    "WEIGHTS_DIR",
+    "AOTI_DIR",
+    "WEIGHT_FILE",
+    "check_archive",
+    "archive_root",
+    "regular_file",
+    "check_pt2_layout",
+]
 
 #: The entry that marks a PT2 archive's root folder (``<root>/archive_format``).
 ROOT_MARKER = "archive_format"
@@ -116,8 +125,13 @@ _PT2_FILES = frozenset(
     {"archive_format", "archive_version", "byteorder", ".data/version", ".data/serialization_id",
      "extra/offgraph_specs.json"}
 )
-_WEIGHT_ENTRY = re.compile(r"data/weights/weight_[0-9]{1,9}")
-_METHOD_ENTRY = re.compile(r"data/aotinductor/([A-Za-z0-9_]+)/[A-Za-z0-9_.\-]+")
+#: Where a package keeps its weight files and its methods' folders, relative to the root.
+WEIGHTS_DIR = "data/weights/"
+AOTI_DIR = "data/aotinductor/"
+#: The name of a weight file (in :data:`WEIGHTS_DIR`).
+WEIGHT_FILE = r"weight_[0-9]{1,9}"
+_WEIGHT_ENTRY = re.compile(re.escape(WEIGHTS_DIR) + WEIGHT_FILE)
+_METHOD_ENTRY = re.compile(re.escape(AOTI_DIR) + r"([A-Za-z0-9_]+)/[A-Za-z0-9_.\-]+")
 
 
 def check_pt2_layout(names: list[str], source: str, methods: list[str]) -> None:
