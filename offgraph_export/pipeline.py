@@ -33,6 +33,7 @@ from offgraph_export.passes.graph_utils import describe_inputs, user_input_nodes
 from offgraph_export.passes.record_positions import record_positions
 from offgraph_export.passes.record_step_width import record_step_width
 from offgraph_export.passes.result import PassResult
+from offgraph_export.passes.split_to_slices import split_to_slices
 from offgraph_export.passes.specialize_width import specialize_width
 from offgraph_export.passes.strip_kv_cache import strip_kv_cache
 from offgraph_export.passes.validate import validate_kv_sites
@@ -226,6 +227,9 @@ def lower(
     if format == "executorch":
         from offgraph_export.lowering.executorch import compile_pte
 
+        if executorch_backend == "cuda":
+            # ExecuTorch's CUDA backend compiles slices but has no split_copy kernel
+            program.pass_results["split_to_slices"] = split_to_slices(program.stripped)
         return compile_pte(program.stripped, path, specs, backend=executorch_backend)
     raise ExportError(f"unknown format {format!r}; expected one of {FORMATS}")
 
@@ -236,7 +240,7 @@ def export_and_lower(
     device: str = "cpu",
     step_impl: str | None = None,
     progress: Progress = _noop,
-    fuse: bool | None = None,
+    fuse: bool = True,
     format: str = "pt2",
     executorch_backend: str | None = None,
     decode_method: bool | None = None,
@@ -256,16 +260,6 @@ def export_and_lower(
         device = "cpu"
         if executorch_backend is None:
             executorch_backend = "cuda" if target_device.startswith("cuda") else "xnnpack"
-    # ExecuTorch's CUDA backend has no kernel for split_copy, which the fused projections' split
-    # lowers to there (seen with executorch 1.2.0): it takes the projections unfused.
-    unfused_only = not pt2 and executorch_backend == "cuda"
-    if fuse is None:
-        fuse = not unfused_only
-    elif fuse and unfused_only:
-        raise ExportError(
-            "ExecuTorch's CUDA backend cannot run the fused projections' split (no split_copy "
-            "kernel); export without fuse_projections"
-        )
     impl = step_impl or default_step_impl(device)
     if decode_method is None:
         decode_method = pt2 and default_decode_method(device)

@@ -91,7 +91,7 @@ def test_decode_gemv_rewrites_the_one_row_projections_of_the_decode_method():
     outputs): all are rewritten where the kernel may run; a cpu program is left alone by default
     (the kernel is a GPU kernel; the Triton interpreter is the only cpu runner)."""
     pytest.importorskip("triton")
-    from offgraph_export.passes.decode_gemv import decode_gemv
+    from offgraph_export.passes.decode_gemv import GemvCounts, decode_gemv
 
     bundle = load_bundle(EXAMPLE)
     inputs = bundle.example_inputs
@@ -103,9 +103,12 @@ def test_decode_gemv_rewrites_the_one_row_projections_of_the_decode_method():
     assert not decode_gemv(specialize_width(stripped, program.step_width).program).modified
     fixed = specialize_width(stripped, program.step_width).program
     result = decode_gemv(fixed, device_types=("cpu",))
-    assert result.modified and result.produced == linears
+    # every linear; both norms of each layer and the final one; each gate|up's SiLU·mul; the
+    # residual adds after the output and down projections
+    assert result.modified and result.produced == GemvCounts(linears=linears, norms=5, gated=2, residuals=4)
     gemv = torch.ops.offgraph_lowered.triton_gemv.default
     assert sum(n.target is gemv for n in fixed.graph.nodes) == linears
+    assert not any(n.target in (torch.ops.aten.silu.default, torch.ops.aten.rsqrt.default) for n in fixed.graph.nodes)
     # the general step (a symbolic number of rows) has no one-row linear
     assert not decode_gemv(stripped, device_types=("cpu",)).modified
 

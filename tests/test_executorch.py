@@ -5,6 +5,7 @@ run through ExecuTorch's own runtime."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("executorch")
 
@@ -102,12 +103,27 @@ def test_portable_only_pte_passes_the_check_too(tmp_path):
     assert "PASSED" in proc.stdout
 
 
-def test_cuda_backend_takes_the_projections_unfused(tmp_path, example_bundle):
-    """ExecuTorch's CUDA backend has no kernel for the fused projections' split: asked for both,
-    the export is refused before anything is traced (the default for that backend is unfused)."""
-    from offgraph_export.errors import ExportError
-    from offgraph_export.pipeline import export_and_lower
+def test_split_to_slices_gives_the_cuda_backend_no_split_copy(example_bundle):
+    """ExecuTorch's CUDA backend has no split_copy kernel (the fused projections' split and the
+    rotary embedding's chunk lower to it): the pass that runs before that backend leaves no split
+    in the stripped program, computes the same step, and the edge program holds slice_copy only."""
+    from executorch.exir import EdgeCompileConfig, to_edge
 
-    with pytest.raises(ExportError, match="no split_copy kernel"):
-        export_and_lower(example_bundle, tmp_path / "x.pte", device="cuda", format="executorch", fuse=True)
-    assert not list(tmp_path.iterdir())
+    from offgraph_export.passes.split_to_slices import split_to_slices
+    from offgraph_export.pipeline import export_model, run_passes
+
+    bundle = example_bundle
+    ep = export_model(bundle.model.requires_grad_(False), bundle.example_inputs, bundle.token_dims, bundle.cache_config.max_write)
+    stripped = run_passes(ep, bundle.example_inputs, bundle.cache_config).stripped
+    splits = [n for n in stripped.graph.nodes if "split" in str(n.target)]
+    assert splits  # the fused q|k|v and gate|up projections, the rotary chunks
+    args, _ = stripped.example_inputs
+    want = stripped.module()(*[a.clone() for a in args])
+    result = split_to_slices(stripped)
+    assert result.modified and result.produced == len(splits)
+    assert not any("split" in str(n.target) for n in stripped.graph.nodes)
+    got = stripped.module()(*[a.clone() for a in args])
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    edge = to_edge(stripped, compile_config=EdgeCompileConfig(_check_ir_validity=False))
+    ops = {str(n.target) for n in edge.exported_program().graph.nodes if n.op == "call_function"}
+    assert not any("split" in op for op in ops) and any("slice_copy" in op for op in ops)

@@ -558,3 +558,124 @@ def test_gemv_applies_only_to_narrow_one_row_linears():
     assert not gemv_applies((1, 2, 2048), (3072, 2048))  # two rows
     assert not gemv_applies((1, 1, 2048), (MAX_GEMV_ROWS + 1, 2048))  # wide: the compiler's GEMM
     assert not gemv_applies((1, 1, 2048), (3072, 1024))  # mismatched K
+
+
+# The GEMV's folds: RMSNorm prologue, gated (silu(gate) * up) and residual epilogues.
+
+
+def _eager_folds(x, w, norm_weight=None, eps=1e-5, residual=None, gated=False, gate_first=True):
+    """What the folded nodes compute in eager PyTorch (Llama's RMSNorm, SiLU·mul, residual add)."""
+    dt = w.dtype
+    if norm_weight is not None:
+        xf = x.float()
+        x = norm_weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dt)
+    y = torch.nn.functional.linear(x, w)
+    if gated:
+        gate, up = y.split(w.shape[0] // 2, -1)
+        if not gate_first:
+            gate, up = up, gate
+        y = torch.nn.functional.silu(gate) * up
+    return y if residual is None else residual + y
+
+
+def _fold_inputs(n, k, dtype, norm, gated, residual, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed + n + k)
+    x = torch.randn(1, 1, k, generator=gen).to(device, dtype)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(device, dtype)
+    nw = (1 + 0.1 * torch.randn(k, generator=gen)).to(device, dtype) if norm else None
+    res = torch.randn(1, 1, n // 2 if gated else n, generator=gen).to(device, dtype) if residual else None
+    return x, w, nw, res
+
+
+FOLDS = [  # (norm, gated, gate_first, residual)
+    (True, False, True, False), (False, False, True, True), (True, True, True, False),
+    (True, True, False, True), (False, True, False, False), (True, False, True, True),
+]
+
+
+@interpreter_only
+@pytest.mark.parametrize("norm, gated, gate_first, residual", FOLDS)
+@pytest.mark.parametrize("n, k", [(40, 300), (64, 1100)])
+def test_interp_gemv_folds_match_eager(n, k, norm, gated, gate_first, residual):
+    """Each fold against the eager ops it replaces, in fp32 (exact up to summation order; the
+    interpreter truncates fp32 -> bf16, so bf16 rounding is checked on the GPU instead)."""
+    from offgraph_export.lowering.triton_gemv import triton_gemv
+
+    x, w, nw, res = _fold_inputs(n, k, torch.float32, norm, gated, residual)
+    got = triton_gemv(x, w, nw, 1e-5, res, gated, gate_first)
+    want = _eager_folds(x, w, nw, 1e-5, res, gated, gate_first)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("norm, gated, gate_first, residual", FOLDS)
+@pytest.mark.parametrize("n, k", [(3072, 2048), (2048, 8192), (16384, 2048), (1000, 4100)])
+def test_gemv_folds_match_eager_on_cuda(n, k, norm, gated, gate_first, residual):
+    """bf16 at the Llama-1B projection shapes (and odd ones): the folds round each intermediate as
+    eager does, so the result is as close to a float64 recompute as eager bf16 is."""
+    from offgraph_export.lowering.triton_gemv import triton_gemv
+
+    x, w, nw, res = _fold_inputs(n, k, torch.bfloat16, norm, gated, residual, device="cuda", seed=7)
+    want = _eager_folds(x.double(), w.double(), None if nw is None else nw.double(), 1e-5,
+                        None if res is None else res.double(), gated, gate_first)
+    eager = _eager_folds(x, w, nw, 1e-5, res, gated, gate_first)
+    got = triton_gemv(x, w, nw, 1e-5, res, gated, gate_first)
+    assert torch.isfinite(got.float()).all()
+    err = ((got.double() - want).norm() / want.norm()).item()
+    eager_err = ((eager.double() - want).norm() / want.norm()).item()
+    assert err <= 1.5 * eager_err + 1e-3, f"GEMV error {err:.2e} vs eager bf16 {eager_err:.2e}"
+
+
+def _decode_program(model, inputs, token_dims, cache_config, fuse=True):
+    """The decode method of ``model`` before functionalize (where ``decode_gemv`` runs)."""
+    from offgraph_export.passes.specialize_width import specialize_width
+    from offgraph_export.pipeline import export_model, run_passes
+
+    ep = export_model(model.requires_grad_(False), inputs, token_dims, cache_config.max_write)
+    program = run_passes(ep, inputs, cache_config, "portable", fuse=fuse)
+    return specialize_width(program.pass_results["strip_kv_cache"].program, program.step_width).program
+
+
+def _run_program(ep):
+    args, _ = ep.example_inputs
+    out = ep.module()(*[a.clone() for a in args])
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+@interpreter_only
+@pytest.mark.parametrize("source", ["example", "hf_llama"])
+def test_interp_decode_gemv_folds_compute_the_same_step(source, tmp_path):
+    """The rewritten decode method (every projection a GEMV, norms, SiLU·mul and residual adds
+    folded in) computes what the unrewritten one computes, in fp32: the folds are exact rewrites.
+    Counted per model: the example has 2 layers with a final norm before its 256-wide head;
+    transformers' Llama has 3 layers, and its head reads the final norm through a slice (not
+    folded)."""
+    import copy
+
+    from offgraph_export.frontends import load_bundle
+    from offgraph_export.passes.decode_gemv import GemvCounts, decode_gemv
+
+    if source == "example":
+        from tests.conftest import EXAMPLE
+
+        bundle = load_bundle(EXAMPLE)
+        expected = GemvCounts(linears=9, norms=5, gated=2, residuals=4)
+    else:
+        transformers = pytest.importorskip("transformers")
+        from tests.test_frontend_hf import COMMON
+
+        config = transformers.LlamaConfig(**COMMON)
+        transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+        bundle = load_bundle(f"hf:{tmp_path}")
+        expected = GemvCounts(linears=13, norms=6, gated=3, residuals=6)
+    program = _decode_program(bundle.model, bundle.example_inputs, bundle.token_dims, bundle.cache_config)
+    want = _run_program(copy.deepcopy(program))
+    result = decode_gemv(program, device_types=("cpu",))
+    assert result.produced == expected
+    left = [str(n.target) for n in program.graph.nodes]
+    assert "aten.linear.default" not in left, left
+    assert "aten.silu.default" not in left, left
+    assert left.count("aten.rsqrt.default") == (0 if source == "example" else 1)
+    torch.testing.assert_close(_run_program(program), want, atol=1e-5, rtol=1e-5)

@@ -142,7 +142,7 @@ def cli(debug: bool) -> None:
 @click.option("--step-impl", type=click.Choice(["portable", "triton"]), help="Lowered step implementation (default: triton on cuda, portable on cpu).")
 @click.option("--format", "fmt", type=click.Choice(["pt2", "executorch"]), default="pt2", show_default=True, help="pt2: an AOTInductor package; executorch: an ExecuTorch .pte (cpu, or cuda with its .ptd).")
 @click.option("--executorch-backend", type=click.Choice(["xnnpack", "portable", "cuda"]), help="With --format executorch: on cpu delegate to XNNPACK where it applies (default) or use portable kernels only; on cuda the CUDA delegate (default; writes the .pte and its .ptd data file).")
-@click.option("--fuse-projections/--no-fuse-projections", "fuse", default=None, help="Fuse sibling projections (q/k/v, gate/up) into one GEMM each (default: on, except for the executorch cuda backend, which cannot run the split).")
+@click.option("--fuse-projections/--no-fuse-projections", "fuse", default=True, show_default=True, help="Fuse sibling projections (q/k/v, gate/up) into one GEMM each (default: on).")
 @click.option("--decode-method/--no-decode-method", "decode_method", default=None, help="Also compile a one-token decode method with static shapes, used for every width-1 step (default: on for cuda, off for cpu; pt2 only).")
 @click.option("--max-autotune", type=click.Choice(["none", "decode", "all"]), help="Which methods inductor compiles with max-autotune (GEMM kernels chosen by timing them on the device; slower compile). Default: decode on cuda, none on cpu; pt2 only.")
 @click.option("--decode-gemv", is_flag=True, help="In the decode method, run projections of at most 8192 outputs with the Triton GEMV kernel instead of the compiler's GEMM (cuda).")

@@ -1,5 +1,6 @@
 """Triton GEMV for one-row linears (the decode method's projections): ``out = x @ w.T`` for ``x``
-of one row ``[..., K]`` and a row-major weight ``w [N, K]``.
+of one row ``[..., K]`` and a row-major weight ``w [N, K]``, with the neighbours a decode layer
+puts around it folded in.
 
 Why: at one token a projection is a matrix-vector product whose cost is reading ``w`` once. A GEMM
 template pads the single row to a 16-row tile and gives each program a 32-128-wide column block,
@@ -8,23 +9,37 @@ card's bandwidth (measured on the H200, torch 2.11, max-autotune: 0.9-1.2 TB/s f
 output and down projections of a Llama-1B-shaped model). Here each program reads a few full weight
 rows in wide contiguous chunks and the grid is sized so every SM has several programs in flight.
 
+At one token the step is also launch-bound: the RMSNorm before a projection, the SiLU·mul after
+the gate|up projection and the residual add after the output and down projections are each a
+kernel of a few microseconds over a few KiB. The kernel takes them as options:
+
+* ``norm_weight``/``eps`` (prologue): ``x`` is first RMS-normalized, in the rounding order of the
+  usual eager RMSNorm (normalize in fp32, round to the output dtype, scale by the weight, round);
+* ``gated`` (epilogue): ``w`` holds a gate and an up projection (rows ``gate_offset + r`` and
+  ``up_offset + r``); each program reads both and writes ``silu(gate) * up`` (each op rounded as
+  eager rounds it), so the 2x-wide projection output never reaches memory;
+* ``residual`` (epilogue): ``out + residual``, rounded once.
+
 One custom op, ``offgraph_lowered::triton_gemv`` (``torch.library.triton_op``), so export keeps one
 node and AOTInductor compiles the kernel into the package. Products are accumulated in fp32.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from offgraph_export.errors import ExportError
 from offgraph_export.lowering.triton_attend import _TRITON_IMPORT_ERROR, tl, triton
 
-__all__ = ["OP_NAME", "triton_gemv", "gemv_applies"]
+__all__ = ["OP_NAME", "triton_gemv", "gemv_applies", "MAX_GEMV_ROWS"]
 
 OP_NAME = "offgraph_lowered::triton_gemv"
 
 #: Outputs wider than this keep the compiler's GEMM (a wide output already spreads over the SMs:
-#: the measured 16384- and 128256-wide projections ran at 2.6-4.0 TB/s there).
+#: the measured 16384- and 128256-wide projections ran at 2.6-4.0 TB/s there). A gated GEMV
+#: reads twice its output width.
 MAX_GEMV_ROWS = 8192
 #: Columns a program reads per loop step (1 KiB of a bf16 row).
 _BLOCK_K = 512
@@ -33,25 +48,55 @@ _TARGET_PROGRAMS = 512
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(
+    x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, N, K, stride_wn, gate_offset, up_offset, eps,
+    NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
     """Program p: output features ``[p * BLOCK_N, (p + 1) * BLOCK_N)``, each the dot product of
-    one contiguous weight row with ``x``, read ``BLOCK_K`` columns at a time."""
+    one contiguous weight row (two when GATED) with ``x``, read ``BLOCK_K`` columns at a time.
+    Every intermediate an eager decode layer would store is rounded to the output dtype here."""
     pid = tl.program_id(0)
+    dt = out_ptr.dtype.element_ty
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
+    if NORM:
+        squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            xs = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+            squares += xs * xs
+        rstd = tl.math.rsqrt(tl.sum(squares, axis=0) / K + eps)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if GATED:
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    gate_rows = (rows + gate_offset).to(tl.int64) * stride_wn
+    up_rows = (rows + up_offset).to(tl.int64) * stride_wn
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         col_ok = cols < K
-        w = tl.load(
-            w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :],
-            mask=row_ok[:, None] & col_ok[None, :],
-            other=0.0,
-        )
+        mask = row_ok[:, None] & col_ok[None, :]
+        w = tl.load(w_ptr + gate_rows[:, None] + cols[None, :], mask=mask, other=0.0)
+        if GATED:
+            w_up = tl.load(w_ptr + up_rows[:, None] + cols[None, :], mask=mask, other=0.0)
         x = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    out = tl.sum(acc, axis=1)
-    tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
+        if NORM:
+            scale = tl.load(norm_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            x = (scale * (x.to(tl.float32) * rstd).to(dt).to(tl.float32)).to(dt)
+        xf = x.to(tl.float32)[None, :]
+        acc += w.to(tl.float32) * xf
+        if GATED:
+            acc_up += w_up.to(tl.float32) * xf
+    out = tl.sum(acc, axis=1).to(dt)  # the projection's output, rounded as eager stores it
+    if GATED:
+        gate = out.to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dt)
+        up = tl.sum(acc_up, axis=1).to(dt)
+        out = (act.to(tl.float32) * up.to(tl.float32)).to(dt)
+    if RESIDUAL:
+        res = tl.load(res_ptr + rows, mask=row_ok, other=0.0)
+        out = (out.to(tl.float32) + res.to(tl.float32)).to(dt)
+    tl.store(out_ptr + rows, out, mask=row_ok)
 
 
 def _block_n(n: int) -> int:
@@ -62,26 +107,53 @@ def _block_n(n: int) -> int:
     return block
 
 
-def gemv_applies(x_shape, w_shape) -> bool:
+def gemv_applies(x_shape, w_shape, gated: bool = False) -> bool:
     """Whether a linear of input ``x_shape`` and weight ``w_shape`` is a one-row GEMV this kernel
-    takes: static sizes, one row, a 2-D weight of at most :data:`MAX_GEMV_ROWS` rows."""
+    takes: static sizes, one row, a 2-D weight of at most :data:`MAX_GEMV_ROWS` output rows
+    (``gated``: twice that, half of them gate rows, an even count)."""
     sizes = [*x_shape, *w_shape]
     if not all(isinstance(s, int) for s in sizes) or len(w_shape) != 2 or not x_shape:
         return False
     rows = 1
     for s in x_shape[:-1]:
         rows *= s
-    return rows == 1 and x_shape[-1] == w_shape[1] and w_shape[0] <= MAX_GEMV_ROWS
+    outputs = w_shape[0] // 2 if gated else w_shape[0]
+    if gated and w_shape[0] % 2:
+        return False
+    return rows == 1 and x_shape[-1] == w_shape[1] and 0 < outputs <= MAX_GEMV_ROWS
 
 
-def _gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _gemv(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    norm_weight: Optional[torch.Tensor] = None,
+    eps: float = 0.0,
+    residual: Optional[torch.Tensor] = None,
+    gated: bool = False,
+    gate_first: bool = True,
+) -> torch.Tensor:
     n, k = int(w.shape[0]), int(w.shape[1])
     torch._check(w.stride(1) == 1, lambda: "the weight must be row-major")
+    torch._check(x.shape[-1] == k, lambda: f"x has {x.shape[-1]} features, the weight {k}")
+    n_out = n // 2 if gated else n
     flat = x.reshape(k).contiguous()  # the kernel reads x with unit stride
-    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-    block_n = _block_n(n)
-    torch.library.wrap_triton(_gemv_kernel)[(triton.cdiv(n, block_n), 1, 1)](
-        flat, w, out, n, k, w.stride(0), BLOCK_N=block_n, BLOCK_K=_BLOCK_K,
+    out = torch.empty((*x.shape[:-1], n_out), dtype=w.dtype, device=x.device)
+    norm = flat
+    if norm_weight is not None:
+        torch._check(norm_weight.shape == (k,), lambda: f"the norm weight must have shape ({k},)")
+        norm = norm_weight.contiguous()
+    res = out
+    if residual is not None:
+        torch._check(residual.numel() == n_out, lambda: f"the residual must have {n_out} elements")
+        res = residual.reshape(n_out).contiguous()
+    gate_offset, up_offset = (0, n_out) if gate_first else (n_out, 0)
+    if not gated:
+        gate_offset = up_offset = 0
+    block_n = _block_n(n_out)
+    torch.library.wrap_triton(_gemv_kernel)[(triton.cdiv(n_out, block_n), 1, 1)](
+        flat, w, out, norm, res, n_out, k, w.stride(0), gate_offset, up_offset, eps,
+        NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None,
+        BLOCK_N=block_n, BLOCK_K=_BLOCK_K,
     )
     return out
 
@@ -90,9 +162,18 @@ if _TRITON_IMPORT_ERROR is None:
     _gemv_op = torch.library.triton_op(OP_NAME, mutates_args=())(_gemv)
 
 
-def triton_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T`` for a one-row ``x`` (:func:`gemv_applies`), through the custom op."""
+def triton_gemv(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    norm_weight: Optional[torch.Tensor] = None,
+    eps: float = 0.0,
+    residual: Optional[torch.Tensor] = None,
+    gated: bool = False,
+    gate_first: bool = True,
+) -> torch.Tensor:
+    """``x @ w.T`` for a one-row ``x`` (:func:`gemv_applies`), through the custom op, with the
+    optional RMSNorm prologue, gated (``silu(gate) * up``) epilogue and residual add described in
+    the module docstring. ``gate_first``: the gate rows are the first half of ``w``."""
     if _TRITON_IMPORT_ERROR is not None:
         raise ExportError(f"the GEMV kernel needs the 'triton' package: {_TRITON_IMPORT_ERROR}")
-    return _gemv_op(x, w)
-
+    return _gemv_op(x, w, norm_weight, eps, residual, gated, gate_first)

@@ -1,25 +1,110 @@
-"""Route the decode method's one-row projections to the Triton GEMV kernel.
+"""Route the decode method's one-row projections to the Triton GEMV kernel, folding in the
+norm before them and the SiLU·mul and residual add after them.
 
 Why: in the decode method (width fixed at 1) every projection is a matrix-vector product, and the
 compiler's GEMM templates run the narrow ones (output width <= 8192: q/k/v, output and down
 projections of a Llama-shaped model) on fewer programs than the GPU has SMs
-(:mod:`offgraph_export.lowering.triton_gemv` says what was measured). This pass rewrites each
-``aten.linear(x, w)`` without bias whose input is one static row and whose weight is a row-major
-cuda parameter or constant of at most :data:`~offgraph_export.lowering.triton_gemv.MAX_GEMV_ROWS`
-rows into the
-``offgraph_lowered::triton_gemv`` op; wider ones keep the compiler's GEMM. The node keeps its
-inputs and output, so the graph signature is unchanged. Run it on the decode method before
-``functionalize`` (which decomposes the op into its kernel). Produces how many linears it rewrote.
+(:mod:`offgraph_export.lowering.triton_gemv` says what was measured). At one token the step is
+also bound by launches: every RMSNorm, SiLU·mul and residual add is a kernel of its own, about 5
+per layer. This pass rewrites each ``aten.linear(x, w)`` without bias whose input is one static
+row and whose weight is a row-major cuda parameter or constant into the
+``offgraph_lowered::triton_gemv`` op, and takes into that one node, where the graph has them:
+
+* the RMSNorm producing ``x`` (``w_n * cast(xf * rsqrt(mean(xf ** 2, -1) + eps))``, ``xf`` the
+  input in fp32: the eager pattern of Llama-family models), as the kernel's prologue;
+* a ``silu(gate) * up`` reading the two halves of a gate|up projection (as
+  :mod:`~offgraph_export.passes.fuse_projections` splits it), as the gated epilogue; the
+  projection may then be up to twice :data:`~offgraph_export.lowering.triton_gemv.MAX_GEMV_ROWS`
+  wide;
+* an ``add`` of another tensor of the output's shape and dtype, as the residual epilogue.
+
+A pattern is folded only when every value inside it has no other user, with the same dtypes the
+kernel rounds to, so the rewritten node computes what the nodes it replaces computed. Wider
+linears and anything that does not match keep the compiler's kernels. The program's inputs and
+outputs are unchanged. Run it on the decode method before ``functionalize`` (which decomposes the
+op into its kernel). Produces a :class:`GemvCounts`: how many linears were rewritten and how many
+of each fold fired.
 """
 
 from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch.export import ExportedProgram
 
 from offgraph_export.passes.result import PassResult
 
-__all__ = ["decode_gemv"]
+__all__ = ["decode_gemv", "GemvCounts"]
+
+aten = torch.ops.aten
+_ASSERT = aten._assert_tensor_metadata.default
+_CASTS = (aten.to.dtype, aten._to_copy.default)
+
+
+@dataclass(frozen=True)
+class GemvCounts:
+    """What :func:`decode_gemv` rewrote: ``linears`` GEMV nodes, of which ``norms`` took their
+    RMSNorm, ``gated`` their SiLU·mul and ``residuals`` their residual add."""
+
+    linears: int = 0
+    norms: int = 0
+    gated: int = 0
+    residuals: int = 0
+
+
+@dataclass
+class _Site:
+    linear: torch.fx.Node
+    x: torch.fx.Node
+    weight: torch.fx.Node
+    norm: Optional[tuple[torch.fx.Node, float]] = None  # (norm weight, eps)
+    gate_first: Optional[bool] = None  # set when the gated epilogue applies
+    residual: Optional[torch.fx.Node] = None
+    last: Optional[torch.fx.Node] = None  # the node the rewritten one replaces
+
+
+# -- small predicates -----------------------------------------------------------------------------
+
+
+def _val(node: object) -> Optional[torch.Tensor]:
+    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _users(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """Users that compute something (export's dtype asserts do not)."""
+    return [u for u in node.users if u.target is not _ASSERT]
+
+
+def _only_user(node: torch.fx.Node) -> Optional[torch.fx.Node]:
+    users = _users(node)
+    return users[0] if len(users) == 1 else None
+
+
+def _is(node: object, target: object) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is target
+
+
+def _cast_source(node: torch.fx.Node, dtype: torch.dtype) -> Optional[torch.fx.Node]:
+    """The input of ``node`` when it is a plain dtype cast to ``dtype`` (nothing else changed)."""
+    if node.op != "call_function" or node.target not in _CASTS:
+        return None
+    if node.target is aten.to.dtype:
+        ok = len(node.args) == 2 and node.args[1] == dtype and not node.kwargs
+    else:
+        ok = len(node.args) == 1 and set(node.kwargs) <= {"dtype"} and node.kwargs.get("dtype") == dtype
+    src = node.args[0]
+    return src if ok and isinstance(src, torch.fx.Node) else None
+
+
+def _operands(node: torch.fx.Node) -> Optional[tuple[object, object]]:
+    """``(a, b)`` of a plain two-tensor ``mul``/``add`` (no alpha)."""
+    if len(node.args) != 2 or node.kwargs:
+        return None
+    return node.args[0], node.args[1]
 
 
 def _weight_names(ep: ExportedProgram) -> set[str]:
@@ -27,36 +112,191 @@ def _weight_names(ep: ExportedProgram) -> set[str]:
     return {*sig.inputs_to_parameters, *sig.inputs_to_buffers, *sig.inputs_to_lifted_tensor_constants}
 
 
-def _is_gemv_site(node: torch.fx.Node, weights: set[str], device_types: tuple[str, ...]) -> bool:
+# -- the patterns ---------------------------------------------------------------------------------
+
+
+def _match_rmsnorm(z: torch.fx.Node, weights: set[str]) -> Optional[tuple[torch.fx.Node, torch.fx.Node, float]]:
+    """``(x, norm weight, eps)`` when ``z`` is ``w_n * cast(xf * rsqrt(mean(xf ** 2, [-1], keepdim)
+    + eps))`` with ``xf`` the fp32 ``x`` (a cast or ``x`` itself), every value used only inside the
+    pattern, ``w_n`` a 1-D weight and ``z`` of ``w_n``'s dtype."""
+    zv = _val(z)
+    if zv is None or not _is(z, aten.mul.Tensor) or _operands(z) is None:
+        return None
+    dt, k = zv.dtype, zv.shape[-1]
+    for w_n, y in (_operands(z), _operands(z)[::-1]):
+        wv = _val(w_n)
+        if not (isinstance(w_n, torch.fx.Node) and w_n.op == "placeholder" and w_n.name in weights):
+            continue
+        if wv is None or wv.dtype != dt or tuple(wv.shape) != (k,) or not isinstance(y, torch.fx.Node):
+            continue
+        m = _cast_source(y, dt) or y  # an fp32 model may keep the (no-op) cast or not
+        if _only_user(y) is not z or (m is not y and _only_user(m) is not y):
+            continue
+        if not _is(m, aten.mul.Tensor) or _operands(m) is None or _val(m).dtype != torch.float32:
+            continue
+        if m is y and dt != torch.float32:
+            continue
+        for xf, r in (_operands(m), _operands(m)[::-1]):
+            found = _match_rstd(r, xf)
+            if found is None or _val(xf) is None or _val(xf).dtype != torch.float32:
+                continue
+            x = _cast_source(xf, torch.float32) or xf
+            xv = _val(x)
+            if xv is None or xv.dtype not in (dt, torch.float32) or xv.shape != zv.shape:
+                continue
+            return x, w_n, found
+    return None
+
+
+def _match_rstd(r: object, xf: object) -> Optional[float]:
+    """``eps`` when ``r`` is ``rsqrt(mean(xf ** 2, [-1], keepdim=True) + eps)``, used only by its
+    consumer."""
+    if not _is(r, aten.rsqrt.default) or _only_user(r) is None:
+        return None
+    s = r.args[0]
+    if not _is(s, aten.add.Tensor) or _operands(s) is None or _only_user(s) is not r:
+        return None
+    a, b = _operands(s)
+    mean, eps = (a, b) if isinstance(b, float) else (b, a)
+    if not isinstance(eps, float) or not _is(mean, aten.mean.dim) or _only_user(mean) is not s:
+        return None
+    rank = _val(xf).dim() if _val(xf) is not None else None
+    dims = mean.args[1] if len(mean.args) > 1 else None
+    keep = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
+    if rank is None or keep is not True or list(dims or []) not in ([-1], [rank - 1]) or "dtype" in mean.kwargs:
+        return None
+    p = mean.args[0]
+    if not _is(p, aten.pow.Tensor_Scalar) or p.args[0] is not xf or p.args[1] != 2 or _only_user(p) is not mean:
+        return None
+    return eps
+
+
+def _match_gated(linear: torch.fx.Node) -> Optional[tuple[torch.fx.Node, bool]]:
+    """``(mul, gate_first)`` when the linear's only use is ``silu(half) * other_half`` of its
+    output split in two equal halves on the last dim."""
+    split = _only_user(linear)
+    n = _val(linear).shape[-1]
+    if split is None or not _is(split, aten.split_with_sizes.default) or n % 2:
+        return None
+    sizes, dim = split.args[1], (split.args[2] if len(split.args) > 2 else 0)
+    if list(sizes) != [n // 2, n // 2] or dim not in (-1, _val(linear).dim() - 1):
+        return None
+    halves = {}
+    for g in _users(split):
+        if g.target is not operator.getitem:
+            return None
+        halves[g.args[1]] = g
+    if set(halves) != {0, 1}:
+        return None
+    for gate_index in (0, 1):
+        gate, up = halves[gate_index], halves[1 - gate_index]
+        act = _only_user(gate)
+        if act is None or not _is(act, aten.silu.default) or len(act.args) != 1:
+            continue
+        mul = _only_user(act)
+        if mul is None or not _is(mul, aten.mul.Tensor) or _only_user(up) is not mul:
+            continue
+        if set(_operands(mul) or ()) != {act, up} or _val(mul).dtype != _val(linear).dtype:
+            continue
+        return mul, gate_index == 0
+    return None
+
+
+def _match_residual(out: torch.fx.Node) -> Optional[tuple[torch.fx.Node, torch.fx.Node]]:
+    """``(add, residual)`` when ``out``'s only use is ``out + residual`` (either order) with both of
+    the same shape and dtype."""
+    add = _only_user(out)
+    if add is None or not _is(add, aten.add.Tensor) or _operands(add) is None:
+        return None
+    a, b = _operands(add)
+    other = b if a is out else a
+    ov, rv, av = _val(out), _val(other), _val(add)
+    if other is out or rv is None or av is None:
+        return None
+    if rv.shape != ov.shape or rv.dtype != ov.dtype or av.dtype != ov.dtype:
+        return None
+    return add, other
+
+
+def _site(node: torch.fx.Node, weights: set[str], device_types: tuple[str, ...]) -> Optional[_Site]:
     from offgraph_export.lowering.triton_gemv import gemv_applies
 
-    if node.op != "call_function" or node.target is not torch.ops.aten.linear.default:
-        return False
+    if not _is(node, aten.linear.default):
+        return None
     if len(node.args) > 2 and node.args[2] is not None:
-        return False
+        return None
     x, w = node.args[0], node.args[1]
     if not (isinstance(w, torch.fx.Node) and w.op == "placeholder" and w.name in weights):
-        return False
-    xv, wv = x.meta.get("val"), w.meta.get("val")
+        return None
+    xv, wv = _val(x), _val(w)
     if xv is None or wv is None or xv.dtype != wv.dtype or wv.device.type not in device_types:
-        return False
+        return None
     if wv.dim() != 2 or wv.stride(1) != 1:
-        return False  # the kernel reads row-major weights
-    return gemv_applies(tuple(xv.shape), tuple(wv.shape))
+        return None  # the kernel reads row-major weights
+    site = _Site(linear=node, x=x, weight=w, last=node)
+    gated = _match_gated(node) if gemv_applies(tuple(xv.shape), tuple(wv.shape), gated=True) else None
+    if gated is not None:
+        site.last, site.gate_first = gated
+    elif not gemv_applies(tuple(xv.shape), tuple(wv.shape)):
+        return None
+    norm = _match_rmsnorm(x, weights) if _only_user(x) is node else None
+    if norm is not None:
+        site.x, norm_weight, eps = norm
+        site.norm = (norm_weight, eps)
+    residual = _match_residual(site.last)
+    if residual is not None:
+        site.last, site.residual = residual
+    return site
 
 
-def decode_gemv(ep: ExportedProgram, device_types: tuple[str, ...] = ("cuda",)) -> PassResult[int]:
-    """Rewrite one-row linears of ``ep`` (in place) to the GEMV op; see the module docstring.
-    ``device_types``: where the kernel may run; a GPU kernel, so cuda (the Triton interpreter also
-    runs it on cpu tensors, which the tests use)."""
+# -- the rewrite ----------------------------------------------------------------------------------
+
+
+def _drop_dead(graph: torch.fx.Graph) -> None:
+    """Dead-code elimination that also drops export's dtype asserts on values nothing else uses
+    (they would keep a folded pattern's nodes alive)."""
+    while True:
+        graph.eliminate_dead_code()
+        asserts = [
+            n for n in graph.nodes
+            if n.target is _ASSERT and isinstance(n.args[0], torch.fx.Node)
+            and n.args[0].op != "placeholder" and not _users(n.args[0])
+        ]
+        if not asserts:
+            return
+        for n in asserts:
+            graph.erase_node(n)
+
+
+def decode_gemv(ep: ExportedProgram, device_types: tuple[str, ...] = ("cuda",)) -> PassResult[GemvCounts]:
+    """Rewrite one-row linears of ``ep`` (in place) to the GEMV op with their folds; see the module
+    docstring. ``device_types``: where the kernel may run; a GPU kernel, so cuda (the Triton
+    interpreter also runs it on cpu tensors, which the tests use)."""
     import offgraph_export.lowering.triton_gemv  # noqa: F401  (defines the op)
 
+    gemv = torch.ops.offgraph_lowered.triton_gemv.default
     weights = _weight_names(ep)
-    sites = [n for n in ep.graph.nodes if _is_gemv_site(n, weights, device_types)]
-    for node in sites:
-        node.target = torch.ops.offgraph_lowered.triton_gemv.default
-        node.args = node.args[:2]
-        node.kwargs = {}
+    graph = ep.graph
+    sites = [s for s in (_site(n, weights, device_types) for n in list(graph.nodes)) if s is not None]
+    replaced: dict[torch.fx.Node, torch.fx.Node] = {}  # sites were matched before any rewrite
+    for site in sites:
+        norm_weight, eps = site.norm if site.norm else (None, 0.0)
+        args = (site.x, site.weight, norm_weight, eps, site.residual, site.gate_first is not None,
+                site.gate_first is not False)
+        args = tuple(replaced.get(a, a) if isinstance(a, torch.fx.Node) else a for a in args)
+        with graph.inserting_before(site.last):
+            node = graph.call_function(gemv, args)
+        node.meta = dict(site.last.meta)
+        site.last.replace_all_uses_with(node)
+        replaced[site.last] = node
     if sites:
+        _drop_dead(graph)
+        graph.lint()
         ep.graph_module.recompile()
-    return PassResult(ep, modified=bool(sites), produced=len(sites))
+    counts = GemvCounts(
+        linears=len(sites),
+        norms=sum(s.norm is not None for s in sites),
+        gated=sum(s.gate_first is not None for s in sites),
+        residuals=sum(s.residual is not None for s in sites),
+    )
+    return PassResult(ep, modified=bool(sites), produced=counts)
