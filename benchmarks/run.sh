@@ -2,10 +2,11 @@
 # Decode at the memory floor, side by side (benchmarks/decode_bench.py says what is measured).
 # One command on the GPU machine, about 8-10 minutes:
 #   benchmarks/run.sh OUT_DIR [decode_bench options, e.g. --history 1024 8192 16384 --steps 100]
+# BENCH_VARIANTS picks this project's builds (default: "offgraph offgraph-gemv").
 # The three builds run at once (CPU-bound compiles; their times overlap and are reported as
-# such); measurements run one contender at a time once every build is done; then `check` of this
-# project's artifact against transformers (ordinary launches, then CUDA graphs) while time allows
-# (BENCH_BUDGET_S, default 560 s); then report.py writes OUT_DIR/report.md (and report.png where
+# such); `check` of this project's packages against transformers with CUDA-graph decode; then
+# measurements, one contender at a time (the checks hold the same lock); then the checks with
+# ordinary launches while time allows (BENCH_BUDGET_S, default 560 s); then report.py writes OUT_DIR/report.md (and report.png where
 # matplotlib is installed). Packages go to $BENCH_ARTIFACTS (default /tmp/offgraph_bench).
 set -uo pipefail
 OUT=${1:?usage: benchmarks/run.sh OUT_DIR [decode_bench options]}
@@ -16,6 +17,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 ART=${BENCH_ARTIFACTS:-/tmp/offgraph_bench}
 BUDGET=${BENCH_BUDGET_S:-560}
+VARIANTS=${BENCH_VARIANTS:-offgraph offgraph-gemv}   # which of this project's builds to measure
 mkdir -p "$ART"
 rm -f "$OUT/.builds_done"
 B="python3 benchmarks/decode_bench.py"
@@ -23,30 +25,37 @@ CONFIG=benchmarks/configs/llama-3.2-1b
 status=0
 $B hf-compile --out "$OUT" --artifacts "$ART" "$@" > "$OUT/hf_compile.log" 2>&1 &
 compile_pid=$!
-$B build-offgraph --out "$OUT" --artifacts "$ART" "$@" > "$OUT/build_offgraph.log" 2>&1 &
-offgraph_pid=$!
-$B build-offgraph --variant offgraph-gemv --out "$OUT" --artifacts "$ART" "$@" > "$OUT/build_offgraph_gemv.log" 2>&1 &
-gemv_pid=$!
+declare -A build_pids
+for variant in $VARIANTS; do
+  $B build-offgraph --variant "$variant" --out "$OUT" --artifacts "$ART" "$@" > "$OUT/build_$variant.log" 2>&1 &
+  build_pids[$variant]=$!
+done
 $B build-hf-aoti --out "$OUT" --artifacts "$ART" "$@" > "$OUT/build_hf_aoti.log" 2>&1 &
 aoti_pid=$!
-wait $offgraph_pid || { status=1; echo "offgraph build failed: $OUT/build_offgraph.log"; tail -5 "$OUT/build_offgraph.log"; }
-wait $gemv_pid || { status=1; echo "offgraph-gemv build failed: $OUT/build_offgraph_gemv.log"; tail -5 "$OUT/build_offgraph_gemv.log"; }
+for variant in $VARIANTS; do
+  wait "${build_pids[$variant]}" || { status=1; echo "$variant build failed: $OUT/build_$variant.log"; tail -5 "$OUT/build_$variant.log"; }
+done
 wait $aoti_pid || { status=1; echo "hf-aoti build failed: $OUT/build_hf_aoti.log"; tail -5 "$OUT/build_hf_aoti.log"; }
 touch "$OUT/.builds_done"
 echo "[$(date +%T) +${SECONDS}s] builds done"
+# check of this project's packages against transformers, holding the measurement lock so no timing
+# overlaps it: CUDA-graph decode (what is measured) before measuring, ordinary launches after, as
+# time allows
+LOCK=$(command -v flock >/dev/null && echo "flock $OUT/.measure.lock")
+check_variant() {
+  local variant=$1 mode=$2
+  if [ -f "$ART/$variant.pt2" ] && [ "$SECONDS" -lt $((BUDGET - 50)) ]; then
+    $LOCK python3 -m offgraph_export check "$ART/$variant.pt2" --model "hf:$CONFIG" --steps 8 $mode > "$OUT/check_${variant}${mode}.txt" 2>&1 || status=1
+    head -1 "$OUT/check_${variant}${mode}.txt"; grep -m1 "note: methods" "$OUT/check_${variant}${mode}.txt"
+  else
+    echo "check $variant $mode skipped (time budget)"
+  fi
+}
+for variant in $VARIANTS; do check_variant "$variant" --cuda-graphs; done
 $B measure --out "$OUT" --artifacts "$ART" "$@" > "$OUT/measure.log" 2>&1 || { status=1; tail -20 "$OUT/measure.log"; }
 wait $compile_pid || { status=1; echo "hf-compile failed: $OUT/hf_compile.log"; tail -5 "$OUT/hf_compile.log"; }
 echo "[$(date +%T) +${SECONDS}s] measured"
-for variant in offgraph offgraph-gemv; do
-  for mode in --cuda-graphs ""; do
-    if [ -f "$ART/$variant.pt2" ] && [ "$SECONDS" -lt $((BUDGET - 50)) ]; then
-      python3 -m offgraph_export check "$ART/$variant.pt2" --model "hf:$CONFIG" --steps 8 $mode > "$OUT/check_${variant}${mode}.txt" 2>&1 || status=1
-      head -1 "$OUT/check_${variant}${mode}.txt"; grep -m1 "note: methods" "$OUT/check_${variant}${mode}.txt"
-    else
-      echo "check $variant $mode skipped (time budget)"
-    fi
-  done
-done
+for variant in $VARIANTS; do check_variant "$variant" ""; done
 python3 benchmarks/report.py "$OUT" || status=1
 echo "[$(date +%T) +${SECONDS}s] status $status"
 exit $status

@@ -68,8 +68,8 @@ def main() -> None:
                 best = row
         rows.append(dict(shape=name, config="default", us=default, tb_s=gbytes / default * 1e3))
         rows.append(dict(shape=name, config="cublas F.linear (no folds)", us=cublas, tb_s=gbytes / cublas * 1e3))
-        print(f"{name:24s} N={n} K={k}: default {default:6.1f} us ({gbytes / default * 1e3:.2f} TB/s, block_n "
-              f"{tg._block_n(n_out)}x{tg._BLOCK_K} w4); best {best['us']:6.1f} us ({best['tb_s']:.2f} TB/s, "
+        print(f"{name:24s} N={n} K={k}: default {default:6.1f} us ({gbytes / default * 1e3:.2f} TB/s, "
+              f"{'x'.join(map(str, tg._config(k)))} w4, through the op); best {best['us']:6.1f} us ({best['tb_s']:.2f} TB/s, "
               f"{best['block_n']}x{best['block_k']} w{best['warps']}); cuBLAS linear {cublas:6.1f} us "
               f"({gbytes / cublas * 1e3:.2f} TB/s)", flush=True)
     if args.out:

@@ -6,8 +6,8 @@ Why: at one token a projection is a matrix-vector product whose cost is reading 
 template pads the single row to a 16-row tile and gives each program a 32-128-wide column block,
 so an output of 2048-3072 features runs on 16-96 programs, fewer than the SMs, far below the
 card's bandwidth (measured on the H200, torch 2.11, max-autotune: 0.9-1.2 TB/s for the q/k/v,
-output and down projections of a Llama-1B-shaped model). Here each program reads a few full weight
-rows in wide contiguous chunks and the grid is sized so every SM has several programs in flight.
+output and down projections of a Llama-1B-shaped model). Here each program reads 2-4 full weight
+rows in wide contiguous chunks, so a 2048-wide output runs on 512-1024 programs.
 
 At one token the step is also launch-bound: the RMSNorm before a projection, the SiLU·mul after
 the gate|up projection and the residual add after the output and down projections are each a
@@ -41,10 +41,16 @@ OP_NAME = "offgraph_lowered::triton_gemv"
 #: the measured 16384- and 128256-wide projections ran at 2.6-4.0 TB/s there). A gated GEMV
 #: reads twice its output width.
 MAX_GEMV_ROWS = 8192
-#: Columns a program reads per loop step (1 KiB of a bf16 row).
-_BLOCK_K = 512
-#: Programs the grid aims for (several per SM on an H100/H200).
-_TARGET_PROGRAMS = 512
+#: Launch configurations, from a sweep on the H200 (``scripts/bench_gemv.py``, torch 2.11, bf16,
+#: the Llama-1B projections with their folds, L2 flushed): 2 rows x 1024 columns per step for
+#: K = 2048 (q|k|v, output, gate|up: within 5% of the best of 24 configs each) and 4 x 2048 for
+#: the K = 8192 down projection (23% faster than 4 x 512); 4 warps.
+_LONG_ROWS = 4096
+
+
+def _config(k: int) -> tuple[int, int]:
+    """``(BLOCK_N, BLOCK_K)`` for rows of ``k`` columns."""
+    return (4, 2048) if k >= _LONG_ROWS else (2, 1024)
 
 
 @triton.jit
@@ -99,14 +105,6 @@ def _gemv_kernel(
     tl.store(out_ptr + rows, out, mask=row_ok)
 
 
-def _block_n(n: int) -> int:
-    """Rows per program: a power of two in [1, 32] giving about :data:`_TARGET_PROGRAMS` programs."""
-    block = 1
-    while block < 32 and n // (2 * block) >= _TARGET_PROGRAMS:
-        block *= 2
-    return block
-
-
 def gemv_applies(x_shape, w_shape, gated: bool = False) -> bool:
     """Whether a linear of input ``x_shape`` and weight ``w_shape`` is a one-row GEMV this kernel
     takes: static sizes, one row, a 2-D weight of at most :data:`MAX_GEMV_ROWS` output rows
@@ -149,11 +147,11 @@ def _gemv(
     gate_offset, up_offset = (0, n_out) if gate_first else (n_out, 0)
     if not gated:
         gate_offset = up_offset = 0
-    block_n = _block_n(n_out)
+    block_n, block_k = _config(k)
     torch.library.wrap_triton(_gemv_kernel)[(triton.cdiv(n_out, block_n), 1, 1)](
         flat, w, out, norm, res, n_out, k, w.stride(0), gate_offset, up_offset, eps,
         NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None,
-        BLOCK_N=block_n, BLOCK_K=_BLOCK_K,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
     )
     return out
 
