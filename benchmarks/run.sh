@@ -3,6 +3,10 @@
 # One command on the GPU machine, about 8-10 minutes:
 #   benchmarks/run.sh OUT_DIR [decode_bench options, e.g. --history 1024 8192 16384 --steps 100]
 # BENCH_VARIANTS picks this project's builds (default: "offgraph offgraph-gemv").
+# BENCH_PHASE=build|measure splits the run over two device calls of at most 10 minutes each: the
+# first builds the packages into $BENCH_ARTIFACTS (a folder git ignores, inside the repo, so the
+# copy on a still-warm machine keeps it; also TORCHINDUCTOR_CACHE_DIR there for hf-compile), the
+# second, made within the machine's idle window, measures. Default: all, in one call.
 # The three builds run at once (CPU-bound compiles; their times overlap and are reported as
 # such); `check` of this project's packages against transformers with CUDA-graph decode; then
 # measurements, one contender at a time (the checks hold the same lock); then the checks with
@@ -18,24 +22,48 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 ART=${BENCH_ARTIFACTS:-/tmp/offgraph_bench}
 BUDGET=${BENCH_BUDGET_S:-560}
 VARIANTS=${BENCH_VARIANTS:-offgraph offgraph-gemv}   # which of this project's builds to measure
+PHASE=${BENCH_PHASE:-all}
+case "$PHASE" in all|build|measure) ;; *) echo "BENCH_PHASE must be all, build or measure, not '$PHASE'"; exit 2;; esac
+# hf-compile's kernels (and their autotuning) come from the inductor caches in the measure call
+[ "$PHASE" != all ] && export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$ART/inductor-cache}
 mkdir -p "$ART"
 rm -f "$OUT/.builds_done"
 B="python3 benchmarks/decode_bench.py"
 CONFIG=benchmarks/configs/llama-3.2-1b
 status=0
-$B hf-compile --out "$OUT" --artifacts "$ART" "$@" > "$OUT/hf_compile.log" 2>&1 &
-compile_pid=$!
-declare -A build_pids
-for variant in $VARIANTS; do
-  $B build-offgraph --variant "$variant" --out "$OUT" --artifacts "$ART" "$@" > "$OUT/build_$variant.log" 2>&1 &
-  build_pids[$variant]=$!
-done
-$B build-hf-aoti --out "$OUT" --artifacts "$ART" "$@" > "$OUT/build_hf_aoti.log" 2>&1 &
-aoti_pid=$!
-for variant in $VARIANTS; do
-  wait "${build_pids[$variant]}" || { status=1; echo "$variant build failed: $OUT/build_$variant.log"; tail -5 "$OUT/build_$variant.log"; }
-done
-wait $aoti_pid || { status=1; echo "hf-aoti build failed: $OUT/build_hf_aoti.log"; tail -5 "$OUT/build_hf_aoti.log"; }
+if [ "$PHASE" = measure ]; then
+  # the packages and build records of an earlier BENCH_PHASE=build call on the same (warm) machine
+  for variant in $VARIANTS hf_aoti; do
+    record="$ART/${variant}_build.json"
+    [ -f "$record" ] || { echo "no $record: run BENCH_PHASE=build first, on the same machine (a warm one), with the same BENCH_ARTIFACTS"; exit 2; }
+    cp "$record" "$OUT/"
+  done
+  cp "$ART/hf_compile_build.json" "$OUT/" 2>/dev/null
+  $B hf-compile --out "$OUT" --artifacts "$ART" "$@" > "$OUT/hf_compile.log" 2>&1 &
+  compile_pid=$!
+else
+  compile_only=$([ "$PHASE" = build ] && echo --compile-only)
+  $B hf-compile $compile_only --out "$OUT" --artifacts "$ART" "$@" > "$OUT/hf_compile.log" 2>&1 &
+  compile_pid=$!
+  declare -A build_pids
+  for variant in $VARIANTS; do
+    $B build-offgraph --variant "$variant" --out "$OUT" --artifacts "$ART" "$@" > "$OUT/build_$variant.log" 2>&1 &
+    build_pids[$variant]=$!
+  done
+  $B build-hf-aoti --out "$OUT" --artifacts "$ART" "$@" > "$OUT/build_hf_aoti.log" 2>&1 &
+  aoti_pid=$!
+  for variant in $VARIANTS; do
+    wait "${build_pids[$variant]}" || { status=1; echo "$variant build failed: $OUT/build_$variant.log"; tail -5 "$OUT/build_$variant.log"; }
+  done
+  wait $aoti_pid || { status=1; echo "hf-aoti build failed: $OUT/build_hf_aoti.log"; tail -5 "$OUT/build_hf_aoti.log"; }
+  cp "$OUT"/*_build.json "$ART/" 2>/dev/null
+  if [ "$PHASE" = build ]; then
+    wait $compile_pid || { status=1; echo "hf-compile failed: $OUT/hf_compile.log"; tail -5 "$OUT/hf_compile.log"; }
+    cp "$OUT/hf_compile_build.json" "$ART/" 2>/dev/null
+    echo "[$(date +%T) +${SECONDS}s] builds done (BENCH_PHASE=build: measure in the next call, on the same warm machine)"
+    exit $status
+  fi
+fi
 touch "$OUT/.builds_done"
 echo "[$(date +%T) +${SECONDS}s] builds done"
 # check of this project's packages against transformers, holding the measurement lock so no timing

@@ -210,7 +210,9 @@ def lower(
     """``format``: ``pt2`` (AOTInductor package with a method per program) or ``executorch``
     (``.pte`` lowered with ``executorch_backend``: on cpu ``xnnpack`` where it applies, or
     ``portable``; on cuda ``cuda``, the program exported on cpu). ``max_autotune``: one of ``AUTOTUNE_CHOICES`` (pt2), recorded in the specs.
-    ``model_info``: ``model``, ``model_args``, ``model_dtype`` recorded for check/run."""
+    ``model_info``: ``model``, ``model_args``, ``model_dtype`` recorded for check/run. For the
+    executorch ``cuda`` backend ``program.stripped`` is first rewritten in place by
+    ``split_to_slices`` (same values; a second lowering finds nothing left to rewrite)."""
     if max_autotune not in AUTOTUNE_CHOICES:
         raise ExportError(f"unknown max_autotune {max_autotune!r}; expected one of {AUTOTUNE_CHOICES}")
     if format == "pt2":

@@ -679,3 +679,71 @@ def test_interp_decode_gemv_folds_compute_the_same_step(source, tmp_path):
     assert "aten.silu.default" not in left, left
     assert left.count("aten.rsqrt.default") == (0 if source == "example" else 1)
     torch.testing.assert_close(_run_program(program), want, atol=1e-5, rtol=1e-5)
+
+
+class _MutatesBetween(torch.nn.Module):
+    """The linear's input is written in place between the linear and the residual add."""
+
+    def __init__(self, k: int = 64, n: int = 48) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(n, k))
+
+    def forward(self, x, r):
+        h = x * 1.0
+        y = torch.nn.functional.linear(h, self.w)
+        h.mul_(2.0)
+        return y + r, h
+
+
+class _TwoLinearsOneAdd(torch.nn.Module):
+    def __init__(self, k: int = 64, n: int = 48) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.randn(n, k))
+        self.b = torch.nn.Parameter(torch.randn(n, k))
+
+    def forward(self, x, y):
+        return torch.nn.functional.linear(x, self.a) + torch.nn.functional.linear(y, self.b)
+
+
+class _ChunkedGateUp(torch.nn.Module):
+    """A packed gate|up weight split with ``chunk`` (Phi-3 style), then the down projection."""
+
+    def __init__(self, k: int = 64, f: int = 96) -> None:
+        super().__init__()
+        self.gate_up = torch.nn.Parameter(torch.randn(2 * f, k) / 8)
+        self.down = torch.nn.Parameter(torch.randn(k, f) / 8)
+
+    def forward(self, x):
+        gate, up = torch.nn.functional.linear(x, self.gate_up).chunk(2, dim=-1)
+        return x + torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, self.down)
+
+
+@interpreter_only
+@pytest.mark.parametrize(
+    "module, inputs, expected",
+    [
+        # folding the add would move the linear's read of h past h.mul_: only the linear is rewritten
+        (_MutatesBetween, ((1, 1, 64), (1, 1, 48)), dict(linears=1, residuals=0)),
+        # one add of two linears is folded into one of them, the other stays a plain GEMV
+        (_TwoLinearsOneAdd, ((1, 1, 64), (1, 1, 64)), dict(linears=2, residuals=1)),
+        (_ChunkedGateUp, ((1, 1, 64),), dict(linears=2, gated=1, residuals=1)),
+    ],
+    ids=["write-between", "shared-add", "chunked-gate-up"],
+)
+def test_interp_decode_gemv_folds_only_what_it_may(module, inputs, expected):
+    """Folds around writes, shared adds and ``chunk``-split gate|up weights: the counts say what
+    fired and the rewritten program computes what the original did."""
+    import copy
+
+    from offgraph_export.passes.decode_gemv import GemvCounts, decode_gemv
+
+    torch.manual_seed(0)
+    args = tuple(torch.randn(*shape) for shape in inputs)
+    ep = torch.export.export(module().requires_grad_(False), args)
+    want = copy.deepcopy(ep).module()(*copy.deepcopy(args))
+    result = decode_gemv(ep, device_types=("cpu",))
+    assert result.produced == GemvCounts(**expected)
+    assert not any(n.target is torch.ops.aten.linear.default for n in ep.graph.nodes)
+    got = ep.module()(*copy.deepcopy(args))
+    for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+        torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-5)

@@ -145,7 +145,7 @@ def cli(debug: bool) -> None:
 @click.option("--fuse-projections/--no-fuse-projections", "fuse", default=True, show_default=True, help="Fuse sibling projections (q/k/v, gate/up) into one GEMM each (default: on).")
 @click.option("--decode-method/--no-decode-method", "decode_method", default=None, help="Also compile a one-token decode method with static shapes, used for every width-1 step (default: on for cuda, off for cpu; pt2 only).")
 @click.option("--max-autotune", type=click.Choice(["none", "decode", "all"]), help="Which methods inductor compiles with max-autotune (GEMM kernels chosen by timing them on the device; slower compile). Default: decode on cuda, none on cpu; pt2 only.")
-@click.option("--decode-gemv", is_flag=True, help="In the decode method, run projections of at most 8192 outputs with the Triton GEMV kernel instead of the compiler's GEMM (cuda).")
+@click.option("--decode-gemv", is_flag=True, help="In the decode method, run projections of at most 8192 outputs with the Triton GEMV kernel instead of the compiler's GEMM, folding in the RMSNorm before them, the SiLU·mul after a fused gate|up projection and the residual add after them (cuda).")
 @click.option("-a", "--arg", "factory_args", multiple=True, metavar="NAME=VALUE", help="Keyword argument for the model factory (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
 def export(model_factory, output, device, max_capacity, initial_capacity, max_write, dtype, rings, all_flat, step_impl, fmt, executorch_backend, fuse, decode_method, max_autotune, decode_gemv, factory_args, as_json):

@@ -18,8 +18,11 @@ row and whose weight is a row-major cuda parameter or constant into the
   wide;
 * an ``add`` of another tensor of the output's shape and dtype, as the residual epilogue.
 
-A pattern is folded only when every value inside it has no other user, with the same dtypes the
-kernel rounds to, so the rewritten node computes what the nodes it replaces computed. Wider
+A pattern is folded only when every value inside it has no other user, its dtypes are the ones
+the kernel rounds to, and nothing between its first node and its last writes memory (the rewritten
+node reads its inputs where the last one ran). The kernel then performs the same operations with
+the same roundings as the nodes it replaces; results differ only by summation order and the
+kernel's fp32 ``exp``/``rsqrt``/division. Wider
 linears and anything that does not match keep the compiler's kernels. The program's inputs and
 outputs are unchanged. Run it on the decode method before ``functionalize`` (which decomposes the
 op into its kernel). Produces a :class:`GemvCounts`: how many linears were rewritten and how many
@@ -28,6 +31,7 @@ of each fold fired.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from dataclasses import dataclass
 from typing import Optional
@@ -42,6 +46,8 @@ __all__ = ["decode_gemv", "GemvCounts"]
 aten = torch.ops.aten
 _ASSERT = aten._assert_tensor_metadata.default
 _CASTS = (aten.to.dtype, aten._to_copy.default)
+#: the keyword of each split op's sizes argument
+_SIZE_KWARG = {aten.split_with_sizes.default: "split_sizes", aten.split.Tensor: "split_size", aten.chunk.default: "chunks"}
 
 
 @dataclass(frozen=True)
@@ -115,10 +121,13 @@ def _weight_names(ep: ExportedProgram) -> set[str]:
 # -- the patterns ---------------------------------------------------------------------------------
 
 
-def _match_rmsnorm(z: torch.fx.Node, weights: set[str]) -> Optional[tuple[torch.fx.Node, torch.fx.Node, float]]:
-    """``(x, norm weight, eps)`` when ``z`` is ``w_n * cast(xf * rsqrt(mean(xf ** 2, [-1], keepdim)
-    + eps))`` with ``xf`` the fp32 ``x`` (a cast or ``x`` itself), every value used only inside the
-    pattern, ``w_n`` a 1-D weight and ``z`` of ``w_n``'s dtype."""
+def _match_rmsnorm(
+    z: torch.fx.Node, weights: set[str]
+) -> Optional[tuple[torch.fx.Node, torch.fx.Node, float, torch.fx.Node]]:
+    """``(x, norm weight, eps, first node of the pattern)`` when ``z`` is
+    ``w_n * cast(xf * rsqrt(mean(xf ** 2, [-1], keepdim) + eps))`` with ``xf`` the fp32 ``x`` (a cast
+    or ``x`` itself), every value used only inside the pattern, ``w_n`` a 1-D weight and ``z`` of
+    ``w_n``'s dtype."""
     zv = _val(z)
     if zv is None or not _is(z, aten.mul.Tensor) or _operands(z) is None:
         return None
@@ -144,13 +153,14 @@ def _match_rmsnorm(z: torch.fx.Node, weights: set[str]) -> Optional[tuple[torch.
             xv = _val(x)
             if xv is None or xv.dtype not in (dt, torch.float32) or xv.shape != zv.shape:
                 continue
-            return x, w_n, found
+            eps, first = found
+            return x, w_n, eps, (xf if x is not xf else first)
     return None
 
 
-def _match_rstd(r: object, xf: object) -> Optional[float]:
-    """``eps`` when ``r`` is ``rsqrt(mean(xf ** 2, [-1], keepdim=True) + eps)``, used only by its
-    consumer."""
+def _match_rstd(r: object, xf: object) -> Optional[tuple[float, torch.fx.Node]]:
+    """``(eps, pow node)`` when ``r`` is ``rsqrt(mean(xf ** 2, [-1], keepdim=True) + eps)``, used
+    only by its consumer."""
     if not _is(r, aten.rsqrt.default) or _only_user(r) is None:
         return None
     s = r.args[0]
@@ -168,18 +178,22 @@ def _match_rstd(r: object, xf: object) -> Optional[float]:
     p = mean.args[0]
     if not _is(p, aten.pow.Tensor_Scalar) or p.args[0] is not xf or p.args[1] != 2 or _only_user(p) is not mean:
         return None
-    return eps
+    return eps, p
 
 
 def _match_gated(linear: torch.fx.Node) -> Optional[tuple[torch.fx.Node, bool]]:
     """``(mul, gate_first)`` when the linear's only use is ``silu(half) * other_half`` of its
-    output split in two equal halves on the last dim."""
+    output split in two equal halves on the last dim (``split_with_sizes``, ``split``, ``chunk``)."""
     split = _only_user(linear)
     n = _val(linear).shape[-1]
-    if split is None or not _is(split, aten.split_with_sizes.default) or n % 2:
+    kinds = {aten.split_with_sizes.default: [n // 2, n // 2], aten.split.Tensor: n // 2, aten.chunk.default: 2}
+    if split is None or n % 2 or split.op != "call_function" or split.target not in kinds:
         return None
-    sizes, dim = split.args[1], (split.args[2] if len(split.args) > 2 else 0)
-    if list(sizes) != [n // 2, n // 2] or dim not in (-1, _val(linear).dim() - 1):
+    sizes = split.args[1] if len(split.args) > 1 else split.kwargs.get(_SIZE_KWARG[split.target])
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    if isinstance(sizes, (list, tuple)):
+        sizes = list(sizes)
+    if sizes != kinds[split.target] or dim not in (-1, _val(linear).dim() - 1):
         return None
     halves = {}
     for g in _users(split):
@@ -218,12 +232,32 @@ def _match_residual(out: torch.fx.Node) -> Optional[tuple[torch.fx.Node, torch.f
     return add, other
 
 
-def _site(node: torch.fx.Node, weights: set[str], device_types: tuple[str, ...]) -> Optional[_Site]:
+def _mutates(node: torch.fx.Node) -> bool:
+    """Whether ``node`` may write memory (an in-place or out= op, a mutating kernel call)."""
+    return node.op == "call_function" and node.target is not _ASSERT and node.is_impure()
+
+
+def _moves_no_read_past_a_write(first: torch.fx.Node, last: torch.fx.Node) -> bool:
+    """The rewritten node runs where ``last`` ran and reads what the pattern read from ``first``
+    on: sound only if nothing in between writes memory."""
+    node = first
+    while node is not last:
+        if _mutates(node):
+            return False
+        node = node.next
+    return True
+
+
+def _site(
+    node: torch.fx.Node, weights: set[str], device_types: tuple[str, ...], claimed: set[torch.fx.Node]
+) -> Optional[_Site]:
+    """The GEMV site at ``node`` with its folds, or None. ``claimed``: nodes earlier sites
+    replace (a residual ``add`` of two linears is folded into the first of them only)."""
     from offgraph_export.lowering.triton_gemv import gemv_applies
 
     if not _is(node, aten.linear.default):
         return None
-    if len(node.args) > 2 and node.args[2] is not None:
+    if (len(node.args) > 2 and node.args[2] is not None) or node.kwargs.get("bias") is not None:
         return None
     x, w = node.args[0], node.args[1]
     if not (isinstance(w, torch.fx.Node) and w.op == "placeholder" and w.name in weights):
@@ -233,20 +267,26 @@ def _site(node: torch.fx.Node, weights: set[str], device_types: tuple[str, ...])
         return None
     if wv.dim() != 2 or wv.stride(1) != 1:
         return None  # the kernel reads row-major weights
-    site = _Site(linear=node, x=x, weight=w, last=node)
+    plain = gemv_applies(tuple(xv.shape), tuple(wv.shape))
     gated = _match_gated(node) if gemv_applies(tuple(xv.shape), tuple(wv.shape), gated=True) else None
-    if gated is not None:
-        site.last, site.gate_first = gated
-    elif not gemv_applies(tuple(xv.shape), tuple(wv.shape)):
-        return None
     norm = _match_rmsnorm(x, weights) if _only_user(x) is node else None
-    if norm is not None:
-        site.x, norm_weight, eps = norm
-        site.norm = (norm_weight, eps)
-    residual = _match_residual(site.last)
-    if residual is not None:
-        site.last, site.residual = residual
-    return site
+    # the folds that apply, dropped last-first until no write lies inside the folded pattern
+    for use_norm, use_gated, use_residual in itertools.product((1, 0), repeat=3):
+        if (use_gated and gated is None) or (not use_gated and not plain):
+            continue
+        site = _Site(linear=node, x=x, weight=w, last=node)
+        if use_gated:
+            site.last, site.gate_first = gated
+        first = node
+        if use_norm and norm is not None:
+            site.x, norm_weight, eps, first = norm
+            site.norm = (norm_weight, eps)
+        residual = _match_residual(site.last) if use_residual else None
+        if residual is not None and residual[0] not in claimed:
+            site.last, site.residual = residual
+        if _moves_no_read_past_a_write(first, site.last):
+            return site
+    return None
 
 
 # -- the rewrite ----------------------------------------------------------------------------------
@@ -277,7 +317,13 @@ def decode_gemv(ep: ExportedProgram, device_types: tuple[str, ...] = ("cuda",)) 
     gemv = torch.ops.offgraph_lowered.triton_gemv.default
     weights = _weight_names(ep)
     graph = ep.graph
-    sites = [s for s in (_site(n, weights, device_types) for n in list(graph.nodes)) if s is not None]
+    sites: list[_Site] = []
+    claimed: set[torch.fx.Node] = set()
+    for n in list(graph.nodes):
+        site = _site(n, weights, device_types, claimed)
+        if site is not None:
+            sites.append(site)
+            claimed.add(site.last)
     replaced: dict[torch.fx.Node, torch.fx.Node] = {}  # sites were matched before any rewrite
     for site in sites:
         norm_weight, eps = site.norm if site.norm else (None, 0.0)
