@@ -219,7 +219,7 @@ def graph_step(fn, static_inputs: list[torch.Tensor]):
 
 
 #: this project's variants: contender name -> extra export arguments
-VARIANTS = {"offgraph": [], "offgraph-gemv": ["--decode-gemv"]}
+VARIANTS = {"offgraph": [], "offgraph-gemv": ["--decode-gemv"], "offgraph-fused": ["--decode-gemv", "--decode-rope"]}
 
 
 def build_offgraph(args) -> None:

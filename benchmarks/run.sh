@@ -2,7 +2,8 @@
 # Decode at the memory floor, side by side (benchmarks/decode_bench.py says what is measured).
 # One command on the GPU machine, about 8-10 minutes:
 #   benchmarks/run.sh OUT_DIR [decode_bench options, e.g. --history 1024 8192 16384 --steps 100]
-# BENCH_VARIANTS picks this project's builds (default: "offgraph offgraph-gemv").
+# BENCH_VARIANTS picks this project's builds among offgraph, offgraph-gemv (--decode-gemv) and
+# offgraph-fused (--decode-gemv --decode-rope); default "offgraph offgraph-fused".
 # BENCH_PHASE=build|measure splits the run over two device calls of at most 10 minutes each: the
 # first builds the packages into $BENCH_ARTIFACTS (a folder git ignores, inside the repo, so the
 # copy on a still-warm machine keeps it; also TORCHINDUCTOR_CACHE_DIR there for hf-compile), the
@@ -21,7 +22,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 ART=${BENCH_ARTIFACTS:-/tmp/offgraph_bench}
 BUDGET=${BENCH_BUDGET_S:-560}
-VARIANTS=${BENCH_VARIANTS:-offgraph offgraph-gemv}   # which of this project's builds to measure
+VARIANTS=${BENCH_VARIANTS:-offgraph offgraph-fused}   # which of this project's builds to measure
 PHASE=${BENCH_PHASE:-all}
 case "$PHASE" in all|build|measure) ;; *) echo "BENCH_PHASE must be all, build or measure, not '$PHASE'"; exit 2;; esac
 # hf-compile's kernels (and their autotuning) come from the inductor caches in the measure call

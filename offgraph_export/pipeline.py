@@ -27,6 +27,7 @@ from offgraph_export.models import ModelBundle
 from offgraph_export.passes.bound_table_indices import bound_table_indices
 from offgraph_export.passes.build_manifest import build_manifest
 from offgraph_export.passes.decode_gemv import decode_gemv as decode_gemv_pass
+from offgraph_export.passes.decode_rope import decode_rope as decode_rope_pass
 from offgraph_export.passes.functionalize import functionalize
 from offgraph_export.passes.fuse_projections import fuse_projections
 from offgraph_export.passes.graph_utils import describe_inputs, user_input_nodes
@@ -134,10 +135,12 @@ def run_passes(
     fuse: bool = True,
     decode_method: bool = False,
     decode_gemv: bool = False,
+    decode_rope: bool = False,
 ) -> LoweredProgram:
     """validate -> record step width -> record positions -> bound table indices -> fuse
     projections (``fuse``) -> build manifest -> strip -> functionalize [and, from the stripped
-    program, specialize width -> GEMV projections (``decode_gemv``) -> functionalize: the decode
+    program, specialize width -> GEMV projections (``decode_gemv``) -> rotary embedding into the
+    attention kernel (``decode_rope``) -> functionalize: the decode
     method (``decode_method``)].
 
     ``step_impl``: ``portable``, ``triton``, or a callable with the signature of
@@ -171,6 +174,9 @@ def run_passes(
         if decode_gemv:
             results["decode_gemv"] = decode_gemv_pass(decode_program)
             decode_program = results["decode_gemv"].program
+        if decode_rope:
+            results["decode_rope"] = decode_rope_pass(decode_program)
+            decode_program = results["decode_rope"].program
         results["functionalize_decode"] = functionalize(decode_program)
         decode = results["functionalize_decode"].program
     return LoweredProgram(
@@ -181,7 +187,10 @@ def run_passes(
         step_impl=step_impl_name(step_impl),
         positions_input=results["record_positions"].produced,
         index_bounds=results["bound_table_indices"].produced,
-        options={"fuse_projections": fuse, **({"decode_gemv": decode_gemv} if decode_method else {})},
+        options={
+            "fuse_projections": fuse,
+            **({"decode_gemv": decode_gemv, "decode_rope": decode_rope} if decode_method else {}),
+        },
         pass_results=results,
         decode=decode,
     )
@@ -248,6 +257,7 @@ def export_and_lower(
     decode_method: bool | None = None,
     max_autotune: str | None = None,
     decode_gemv: bool = False,
+    decode_rope: bool = False,
     **model_info,
 ) -> tuple[Path, LoweredProgram, dict[str, float]]:
     """Export, run the passes and lower ``bundle`` to ``path``; returns timings in seconds. The
@@ -269,6 +279,11 @@ def export_and_lower(
         max_autotune = default_max_autotune(device) if pt2 and decode_method else "none"
     if decode_gemv and not (pt2 and decode_method and target_device.startswith("cuda")):
         raise ExportError("the GEMV projections are a cuda kernel for the pt2 decode method; export for cuda with decode_method=True")
+    if decode_rope and not (pt2 and decode_method and target_device.startswith("cuda") and impl == "triton"):
+        raise ExportError(
+            "the rotary fold is part of the triton step's one-token kernel: export for cuda with "
+            "decode_method=True and the triton step"
+        )
     model = bundle.model.to(device).requires_grad_(False)
     inputs = tuple(x.to(device) for x in bundle.example_inputs)
     timings: dict[str, float] = {}
@@ -279,7 +294,8 @@ def export_and_lower(
     progress(f"running passes (step impl: {impl})")
     t0 = time.perf_counter()
     program = run_passes(
-        ep, inputs, bundle.cache_config, impl, fuse=fuse, decode_method=decode_method, decode_gemv=decode_gemv
+        ep, inputs, bundle.cache_config, impl, fuse=fuse, decode_method=decode_method, decode_gemv=decode_gemv,
+        decode_rope=decode_rope,
     )
     timings["passes_s"] = time.perf_counter() - t0
     progress(f"compiling ({format}) for {target_device} (tens of seconds per method)")

@@ -113,6 +113,77 @@ def test_decode_gemv_rewrites_the_one_row_projections_of_the_decode_method():
     assert not decode_gemv(stripped, device_types=("cpu",)).modified
 
 
+def test_decode_rope_folds_llama_rotary_embedding_into_the_attention_call(tmp_path):
+    """transformers' Llama: each layer's rotary embedding of q and k goes into its one-token
+    attention call (the call takes the unrotated q and k and the step's cos/sin rows) and the
+    rotary nodes are gone; the general step keeps its own. The example's rotary embedding
+    (computed in fp32 inside each layer) is another form and is left alone."""
+    pytest.importorskip("triton")
+    transformers = pytest.importorskip("transformers")
+    from offgraph_export.passes.decode_rope import decode_rope
+    from tests.test_frontend_hf import COMMON
+
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)).save_pretrained(tmp_path)
+    bundle = load_bundle(f"hf:{tmp_path}")
+    inputs = bundle.example_inputs
+    ep = export_model(bundle.model.requires_grad_(False), inputs, bundle.token_dims, bundle.cache_config.max_write)
+    program = run_passes(ep, inputs, bundle.cache_config, "triton", decode_method=True, decode_rope=True)
+    assert program.pass_results["decode_rope"].produced == 3 and program.options["decode_rope"] is True
+    stripped = program.pass_results["strip_kv_cache"].program
+    decode = program.pass_results["decode_rope"].program
+    calls = [n for n in decode.graph.nodes if "update_and_attend" in str(n.target)]
+    assert len(calls) == 3 and all(set(n.kwargs) == {"rope_cos", "rope_sin"} for n in calls)
+    assert not any(n.target is torch.ops.aten.neg.default for n in decode.graph.nodes)
+    assert sum(n.target is torch.ops.aten.neg.default for n in stripped.graph.nodes) == 6  # q and k, 3 layers
+    assert _kernel_names(program.decode) == {"_decode_attend_kernel", "_decode_combine_kernel"}
+
+    example = load_bundle(EXAMPLE)
+    ep = export_model(example.model.requires_grad_(False), example.example_inputs, example.token_dims,
+                      example.cache_config.max_write)
+    plain = run_passes(ep, example.example_inputs, example.cache_config, "triton")
+    fixed = specialize_width(plain.pass_results["strip_kv_cache"].program, plain.step_width).program
+    assert not decode_rope(fixed).modified
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_decode_folds_compute_the_same_step_on_cuda(tmp_path):
+    """transformers' Llama in bf16 on the GPU: the decode method with every fold (GEMV with its
+    norm, SiLU·mul and residual folds; rotary embedding in the attention kernel) against the same
+    method without them, both run eagerly (cuBLAS and eager pointwise ops for the unfolded one) on
+    the same inputs and storage; the logits agree to bf16 rounding and the stored rows match."""
+    transformers = pytest.importorskip("transformers")
+    from tests.test_frontend_hf import COMMON
+
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)).save_pretrained(tmp_path)
+    bundle = load_bundle(f"hf:{tmp_path}")
+    model = bundle.model.requires_grad_(False).to("cuda", torch.bfloat16)
+    inputs = tuple(x.to("cuda") for x in bundle.example_inputs)
+
+    def decode_program(**folds):
+        ep = export_model(model, inputs, bundle.token_dims, bundle.cache_config.max_write)
+        program = run_passes(ep, inputs, bundle.cache_config, "triton", decode_method=True, **folds)
+        last = "decode_rope" if folds else "specialize_width"
+        return program.pass_results[last]
+
+    folded = decode_program(decode_gemv=True, decode_rope=True)
+    plain = decode_program()
+    assert folded.produced == 3
+    args, _ = plain.program.example_inputs
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    args = [a.normal_(generator=gen) if a.is_floating_point() else a for a in (x.clone() for x in args)]
+    a, b = [x.clone() for x in args], [x.clone() for x in args]
+    def logits(program, args):
+        out = program.module()(*args)
+        return (out[0] if isinstance(out, (tuple, list)) else out).float()
+
+    got, want = logits(folded.program, a), logits(plain.program, b)
+    rel = ((got - want).norm() / want.norm()).item()
+    assert rel < 2e-2, rel
+    for x, y in zip(a[2:], b[2:]):  # the storage: same rows written (keys rotated in the kernel)
+        torch.testing.assert_close(x, y, atol=2e-2, rtol=2e-2)
+
+
 # -- the package ----------------------------------------------------------------------------------
 
 

@@ -747,3 +747,65 @@ def test_interp_decode_gemv_folds_only_what_it_may(module, inputs, expected):
     got = ep.module()(*copy.deepcopy(args))
     for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
         torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-5)
+
+
+# The rotary embedding folded into the one-token attention kernel (rope_cos/rope_sin).
+
+
+def _eager_rope(x, cos, sin):
+    """Llama's eager rotary form: ``x * cos + rotate_half(x) * sin``."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+
+def _rope_case(dtype, device, window, rows, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    b, hq, hkv, d = 1, 8, 2, 32
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device, dtype)
+
+    angles = torch.rand(d // 2, generator=gen) * 40.0
+    cos = torch.cat([angles.cos(), angles.cos()]).to(device, dtype).view(1, 1, 1, d)
+    sin = torch.cat([angles.sin(), angles.sin()]).to(device, dtype).view(1, 1, 1, d)
+    q, k, v = rand(b, hq, 1, d), rand(b, hkv, 1, d), rand(b, hkv, 1, d)
+    store = rand(b, hkv, rows, d), rand(b, hkv, rows, d)
+    return q, k, v, cos, sin, store
+
+
+def _check_rope_fold(dtype, device, window, rows, position, **tol):
+    q, k, v, cos, sin, (ks, vs) = _rope_case(dtype, device, window, rows)
+    pos = torch.tensor([position], device=device)
+    ks2, vs2 = ks.clone(), vs.clone()
+    got = triton_update_and_attend(q, k, v, pos, ks, vs, window, 32**-0.5, dtype, cos, sin)
+    want = triton_update_and_attend(
+        _eager_rope(q, cos, sin), _eager_rope(k, cos, sin), v, pos, ks2, vs2, window, 32**-0.5, dtype
+    )
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(ks, ks2, atol=0, rtol=0)  # the stored key is the rotated one
+    torch.testing.assert_close(vs, vs2, atol=0, rtol=0)
+
+
+@interpreter_only
+@pytest.mark.parametrize("window, rows, position", [(None, 256, 200), (16, 16, 200), (None, 64, 0)])
+def test_interp_rope_in_the_decode_kernel_matches_rotated_inputs(window, rows, position):
+    """q and k unrotated plus the step's cos/sin rows give what the eager rotation followed by
+    the same kernel gives (fp32: the interpreter truncates bf16), flat and ring, the row written
+    rotated."""
+    _check_rope_fold(torch.float32, "cpu", window, rows, position, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("window, rows, position", [(None, 4096, 3000), (16, 16, 200)])
+def test_cuda_rope_in_the_decode_kernel_matches_rotated_inputs(window, rows, position):
+    """bf16 on the GPU: the kernel rounds each product and the sum as eager does."""
+    _check_rope_fold(torch.bfloat16, "cuda", window, rows, position, atol=2e-2, rtol=2e-2)
+
+
+@needs_triton
+def test_rope_rows_are_refused_for_a_multi_token_step():
+    q, k, v, cos, sin, (ks, vs) = _rope_case(torch.float32, "cpu", None, 64)
+    q2, k2, v2 = (torch.cat([x, x], 2) for x in (q, k, v))
+    with pytest.raises(RuntimeError, match="one-token steps only"):
+        triton_update_and_attend(q2, k2, v2, torch.tensor([3, 4]), ks, vs, None, 0.2, torch.float32, cos, sin)

@@ -146,9 +146,10 @@ def cli(debug: bool) -> None:
 @click.option("--decode-method/--no-decode-method", "decode_method", default=None, help="Also compile a one-token decode method with static shapes, used for every width-1 step (default: on for cuda, off for cpu; pt2 only).")
 @click.option("--max-autotune", type=click.Choice(["none", "decode", "all"]), help="Which methods inductor compiles with max-autotune (GEMM kernels chosen by timing them on the device; slower compile). Default: decode on cuda, none on cpu; pt2 only.")
 @click.option("--decode-gemv", is_flag=True, help="In the decode method, run projections of at most 8192 outputs with the Triton GEMV kernel instead of the compiler's GEMM, folding in the RMSNorm before them, the SiLU·mul after a fused gate|up projection and the residual add after them (cuda).")
+@click.option("--decode-rope", is_flag=True, help="In the decode method, rotate the query and new key inside the one-token attention kernel instead of a rotary-embedding kernel per layer (Llama-family eager rotary form; cuda, triton step).")
 @click.option("-a", "--arg", "factory_args", multiple=True, metavar="NAME=VALUE", help="Keyword argument for the model factory (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
-def export(model_factory, output, device, max_capacity, initial_capacity, max_write, dtype, rings, all_flat, step_impl, fmt, executorch_backend, fuse, decode_method, max_autotune, decode_gemv, factory_args, as_json):
+def export(model_factory, output, device, max_capacity, initial_capacity, max_write, dtype, rings, all_flat, step_impl, fmt, executorch_backend, fuse, decode_method, max_autotune, decode_gemv, decode_rope, factory_args, as_json):
     """Export MODEL_FACTORY (FILE.py:FUNCTION or package.module:FUNCTION) to a .pt2 artifact."""
     from offgraph_export.frontends import canonical_reference, load_bundle
     from offgraph_export.frontends.factory import parse_factory_args
@@ -176,6 +177,12 @@ def export(model_factory, output, device, max_capacity, initial_capacity, max_wr
             "and without --no-decode-method",
             param_hint="'--decode-gemv'",
         )
+    if decode_rope and (device != "cuda" or fmt != "pt2" or decode_method is False or step_impl == "portable"):
+        raise click.BadParameter(
+            "--decode-rope folds the rotary embedding into the triton step's one-token kernel: use "
+            "it with --device cuda, the triton step and without --no-decode-method",
+            param_hint="'--decode-rope'",
+        )
     if fmt == "executorch" and step_impl == "triton":
         raise click.BadParameter(
             "the executorch format exports on cpu with the portable step; drop --step-impl triton",
@@ -191,7 +198,7 @@ def export(model_factory, output, device, max_capacity, initial_capacity, max_wr
     started = time.perf_counter()
     path, program, timings = export_and_lower(
         replace(bundle, cache_config=config), output, device=device, step_impl=step_impl, fuse=fuse, format=fmt, executorch_backend=executorch_backend,
-        decode_method=decode_method, max_autotune=max_autotune, decode_gemv=decode_gemv,
+        decode_method=decode_method, max_autotune=max_autotune, decode_gemv=decode_gemv, decode_rope=decode_rope,
         progress=lambda m: _say(f"[{time.perf_counter() - started:6.1f}s] {m}"),
         model=canonical_reference(model_factory), model_args=args, model_dtype=dtype,
     )

@@ -429,9 +429,24 @@ def _combine_splits_kernel(
 
 
 @triton.jit
+def _rotate_half(x, base, offs, stride, mask, cos, sin, HEAD_DIM: tl.constexpr):
+    """Rotary embedding of the tile ``x`` (head dim last, loaded from ``base + offs * stride``):
+    ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``, each product and
+    the sum rounded to ``x``'s dtype as eager stores them."""
+    half: tl.constexpr = HEAD_DIM // 2
+    partner = tl.where(offs < half, offs + half, offs - half)
+    other = tl.load(base + partner * stride, mask=mask, other=0.0).to(tl.float32)
+    other = tl.where(offs < half, -other, other)
+    dt = x.dtype
+    a = (x.to(tl.float32) * cos).to(dt).to(tl.float32)
+    b = (other * sin).to(dt).to(tl.float32)
+    return (a + b).to(dt)
+
+
+@triton.jit
 def _decode_attend_kernel(
     q_ptr, k_ptr, v_ptr, k_store_ptr, v_store_ptr, pos_ptr, out_ptr,
-    part_acc_ptr, part_m_ptr, part_l_ptr,
+    part_acc_ptr, part_m_ptr, part_l_ptr, cos_ptr, sin_ptr,
     sq_b, sq_h, sq_d,
     sk_b, sk_h, sk_d,
     sv_b, sv_h, sv_d,
@@ -446,9 +461,12 @@ def _decode_attend_kernel(
     MIN_SPLIT_KEYS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     QK_FP32: tl.constexpr, PV_FP32: tl.constexpr,
+    ROPE: tl.constexpr,
 ):
     """Program (b * Hkv + kv head, split) of a one-token step: the row write and the attention of
-    the ``GROUP`` query heads of one kv head in one launch.
+    the ``GROUP`` query heads of one kv head in one launch. With ``ROPE`` the query and the new
+    key arrive unrotated and are rotated here by the step's ``cos``/``sin`` rows
+    (:func:`_rotate_half`), so no separate rotary kernel runs.
 
     The new token's key and value are taken from ``k``/``v`` (rounded to the storage dtype, as
     the stored row will be), not read back from storage, so no program waits for the write: the
@@ -478,11 +496,13 @@ def _decode_attend_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     d_ok = offs_d < HEAD_DIM
     dv_ok = offs_dv < V_DIM
-    q = tl.load(
-        q_ptr + b * sq_b + head[:, None] * sq_h + offs_d[None, :] * sq_d,
-        mask=row_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
+    q_base = q_ptr + b * sq_b + head[:, None] * sq_h
+    q_mask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_base + offs_d[None, :] * sq_d, mask=q_mask, other=0.0)
+    if ROPE:
+        cos = tl.load(cos_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        q = _rotate_half(q, q_base, offs_d[None, :], sq_d, q_mask, cos[None, :], sin[None, :], HEAD_DIM)
     if QK_FP32:
         q = q.to(tl.float32)
     k_base = k_store_ptr + b * sks_b + kvh * sks_h
@@ -503,7 +523,10 @@ def _decode_attend_kernel(
 
     # Split 0: the step's own position, from k/v as the storage will hold them, and its row write.
     first = split == 0
-    new_key = tl.load(k_ptr + b * sk_b + kvh * sk_h + offs_d * sk_d, mask=d_ok, other=0.0)
+    k_row = k_ptr + b * sk_b + kvh * sk_h
+    new_key = tl.load(k_row + offs_d * sk_d, mask=d_ok, other=0.0)
+    if ROPE:
+        new_key = _rotate_half(new_key, k_row, offs_d, sk_d, d_ok, cos, sin, HEAD_DIM)
     new_key = new_key.to(k_store_ptr.dtype.element_ty)
     new_val = tl.load(v_ptr + b * sv_b + kvh * sv_h + offs_dv * sv_d, mask=dv_ok, other=0.0)
     new_val = new_val.to(v_store_ptr.dtype.element_ty)
@@ -626,9 +649,10 @@ def _decode_splits(b, hkv: int, device: torch.device) -> int:
     return max(1, min(_MAX_SPLITS, -(-target // max(1, heads))))
 
 
-def _decode_step(q, k, v, pos, k_store, v_store, window, scale, out_dtype, out, common) -> torch.Tensor:
+def _decode_step(q, k, v, pos, k_store, v_store, window, scale, out_dtype, out, common, rope=None) -> torch.Tensor:
     """A one-token step in two launches (:func:`_decode_attend_kernel`, which also writes the
-    row, then :func:`_decode_combine_kernel`)."""
+    row, then :func:`_decode_combine_kernel`). ``rope``: ``(cos, sin)`` rows of the head dim to
+    rotate the query and new key with, in the kernel."""
     b, hq, _, _ = q.shape
     hkv = k.shape[1]
     group = int(hq // hkv)
@@ -642,14 +666,15 @@ def _decode_step(q, k, v, pos, k_store, v_store, window, scale, out_dtype, out, 
     part_l = torch.empty((b * hkv, splits, block_m), dtype=torch.float32, device=q.device)
     qk_scale = float(scale) * math.log2(math.e)
     wrap_triton = torch.library.wrap_triton
+    cos, sin = rope if rope is not None else (pos, pos)  # unread without ROPE
     wrap_triton(_decode_attend_kernel)[(b * hkv, splits, 1)](
-        q, k, v, k_store, v_store, pos, out, part_acc, part_m, part_l,
+        q, k, v, k_store, v_store, pos, out, part_acc, part_m, part_l, cos, sin,
         q.stride(0), q.stride(1), q.stride(3),
         k.stride(0), k.stride(1), k.stride(3),
         v.stride(0), v.stride(1), v.stride(3),
         *k_store.stride()[:3], *v_store.stride()[:3], out.stride(0), out.stride(1),
         rows, window_arg, hkv, qk_scale, splits,
-        BLOCK_M=block_m, MIN_SPLIT_KEYS=_DECODE_MIN_SPLIT_KEYS, **common,
+        BLOCK_M=block_m, MIN_SPLIT_KEYS=_DECODE_MIN_SPLIT_KEYS, ROPE=rope is not None, **common,
     )
     wrap_triton(_decode_combine_kernel)[(b * hkv, group, 1)](
         pos, out, part_acc, part_m, part_l, out.stride(0), out.stride(1),
@@ -677,8 +702,12 @@ def _lowered_step(
     window: Optional[int],
     scale: float,
     out_dtype: torch.dtype,
+    rope_cos: Optional[torch.Tensor] = None,
+    rope_sin: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Body of the triton_op (``window`` None: a flat layer)."""
+    """Body of the triton_op (``window`` None: a flat layer). ``rope_cos``/``rope_sin``: the
+    step's rotary rows (one position, ``D`` values each, q's dtype); q and k then arrive
+    unrotated and a one-token step rotates them in its kernel (``passes/decode_rope.py``)."""
     b, hq, t, _ = q.shape
     hkv = k.shape[1]
     rows = k_store.shape[2]
@@ -713,9 +742,17 @@ def _lowered_step(
         GROUP=group, HEAD_DIM=d, V_DIM=dv, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_N=block_n,
         HAS_WINDOW=has_window, QK_FP32=qk_fp32, PV_FP32=pv_fp32,
     )
+    rope = None
+    if rope_cos is not None or rope_sin is not None:
+        torch._check(rope_cos is not None and rope_sin is not None, lambda: "rotary rows come as cos and sin")
+        torch._check(isinstance(t, int) and t == 1, lambda: "rotary rows are taken by one-token steps only")
+        torch._check(d % 2 == 0 and k.shape[-1] == d, lambda: "rotary rows need an even head dim shared by q and k")
+        torch._check(rope_cos.numel() == d and rope_sin.numel() == d, lambda: f"rotary rows must hold {d} values")
+        torch._check(rope_cos.dtype == q.dtype == k.dtype == rope_sin.dtype, lambda: "rotary rows, q and k share a dtype")
+        rope = (rope_cos.reshape(d).contiguous(), rope_sin.reshape(d).contiguous())
     if isinstance(t, int) and t == 1:
         # A concrete one-token step (the decode method, or an eager call): its own kernels.
-        return _decode_step(q, k, v, pos, k_store, v_store, window, scale, out_dtype, out, common)
+        return _decode_step(q, k, v, pos, k_store, v_store, window, scale, out_dtype, out, common, rope)
 
     wrap_triton = torch.library.wrap_triton
     wrap_triton(_write_rows_kernel)[(t, b * hkv, 1)](
@@ -789,6 +826,8 @@ def triton_update_and_attend(
     window: int | None,
     scale: float,
     out_dtype: torch.dtype,
+    rope_cos: torch.Tensor | None = None,
+    rope_sin: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write this step's rows into ``k_store``/``v_store`` in place and attend over the valid rows.
 
@@ -797,7 +836,9 @@ def triton_update_and_attend(
     storage ``[B,Hkv,rows,D|Dv]``; ``window`` None is a flat layer, an int a ring attending the
     newest ``window`` positions (rows by :func:`offgraph_export.specs.manifest.storage_row`). Returns
     ``[B,Hq,T,Dv]`` in ``out_dtype``. Calls the ``offgraph_lowered::triton_update_and_attend`` op,
-    so ``torch.export`` records one node and AOTInductor compiles its kernels.
+    so ``torch.export`` records one node and AOTInductor compiles its kernels. ``rope_cos``/
+    ``rope_sin`` (one-token steps only): q and k are unrotated and the kernel applies the rotary
+    embedding ``x * cos + rotate_half(x) * sin`` with these ``D``-value rows.
     """
     if _TRITON_IMPORT_ERROR is not None:
         raise ExportError(
@@ -809,5 +850,5 @@ def triton_update_and_attend(
         raise ExportError(f"window must be None (flat) or a positive int, got {window!r}")
     return _lowered_step_op(
         q, k, v, position, k_store, v_store, window, float(scale),
-        out_dtype,
+        out_dtype, rope_cos, rope_sin,
     )

@@ -39,12 +39,14 @@ from typing import Optional
 import torch
 from torch.export import ExportedProgram
 
+from offgraph_export.passes.graph_utils import (
+    drop_dead, is_call, no_write_between, only_user, tensor_value, users,
+)
 from offgraph_export.passes.result import PassResult
 
 __all__ = ["decode_gemv", "GemvCounts"]
 
 aten = torch.ops.aten
-_ASSERT = aten._assert_tensor_metadata.default
 _CASTS = (aten.to.dtype, aten._to_copy.default)
 #: the keyword of each split op's sizes argument
 _SIZE_KWARG = {aten.split_with_sizes.default: "split_sizes", aten.split.Tensor: "split_size", aten.chunk.default: "chunks"}
@@ -73,25 +75,6 @@ class _Site:
 
 
 # -- small predicates -----------------------------------------------------------------------------
-
-
-def _val(node: object) -> Optional[torch.Tensor]:
-    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return value if isinstance(value, torch.Tensor) else None
-
-
-def _users(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """Users that compute something (export's dtype asserts do not)."""
-    return [u for u in node.users if u.target is not _ASSERT]
-
-
-def _only_user(node: torch.fx.Node) -> Optional[torch.fx.Node]:
-    users = _users(node)
-    return users[0] if len(users) == 1 else None
-
-
-def _is(node: object, target: object) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is target
 
 
 def _cast_source(node: torch.fx.Node, dtype: torch.dtype) -> Optional[torch.fx.Node]:
@@ -128,29 +111,29 @@ def _match_rmsnorm(
     ``w_n * cast(xf * rsqrt(mean(xf ** 2, [-1], keepdim) + eps))`` with ``xf`` the fp32 ``x`` (a cast
     or ``x`` itself), every value used only inside the pattern, ``w_n`` a 1-D weight and ``z`` of
     ``w_n``'s dtype."""
-    zv = _val(z)
-    if zv is None or not _is(z, aten.mul.Tensor) or _operands(z) is None:
+    zv = tensor_value(z)
+    if zv is None or not is_call(z, aten.mul.Tensor) or _operands(z) is None:
         return None
     dt, k = zv.dtype, zv.shape[-1]
     for w_n, y in (_operands(z), _operands(z)[::-1]):
-        wv = _val(w_n)
+        wv = tensor_value(w_n)
         if not (isinstance(w_n, torch.fx.Node) and w_n.op == "placeholder" and w_n.name in weights):
             continue
         if wv is None or wv.dtype != dt or tuple(wv.shape) != (k,) or not isinstance(y, torch.fx.Node):
             continue
         m = _cast_source(y, dt) or y  # an fp32 model may keep the (no-op) cast or not
-        if _only_user(y) is not z or (m is not y and _only_user(m) is not y):
+        if only_user(y) is not z or (m is not y and only_user(m) is not y):
             continue
-        if not _is(m, aten.mul.Tensor) or _operands(m) is None or _val(m).dtype != torch.float32:
+        if not is_call(m, aten.mul.Tensor) or _operands(m) is None or tensor_value(m).dtype != torch.float32:
             continue
         if m is y and dt != torch.float32:
             continue
         for xf, r in (_operands(m), _operands(m)[::-1]):
             found = _match_rstd(r, xf)
-            if found is None or _val(xf) is None or _val(xf).dtype != torch.float32:
+            if found is None or tensor_value(xf) is None or tensor_value(xf).dtype != torch.float32:
                 continue
             x = _cast_source(xf, torch.float32) or xf
-            xv = _val(x)
+            xv = tensor_value(x)
             if xv is None or xv.dtype not in (dt, torch.float32) or xv.shape != zv.shape:
                 continue
             eps, first = found
@@ -161,22 +144,22 @@ def _match_rmsnorm(
 def _match_rstd(r: object, xf: object) -> Optional[tuple[float, torch.fx.Node]]:
     """``(eps, pow node)`` when ``r`` is ``rsqrt(mean(xf ** 2, [-1], keepdim=True) + eps)``, used
     only by its consumer."""
-    if not _is(r, aten.rsqrt.default) or _only_user(r) is None:
+    if not is_call(r, aten.rsqrt.default) or only_user(r) is None:
         return None
     s = r.args[0]
-    if not _is(s, aten.add.Tensor) or _operands(s) is None or _only_user(s) is not r:
+    if not is_call(s, aten.add.Tensor) or _operands(s) is None or only_user(s) is not r:
         return None
     a, b = _operands(s)
     mean, eps = (a, b) if isinstance(b, float) else (b, a)
-    if not isinstance(eps, float) or not _is(mean, aten.mean.dim) or _only_user(mean) is not s:
+    if not isinstance(eps, float) or not is_call(mean, aten.mean.dim) or only_user(mean) is not s:
         return None
-    rank = _val(xf).dim() if _val(xf) is not None else None
+    rank = tensor_value(xf).dim() if tensor_value(xf) is not None else None
     dims = mean.args[1] if len(mean.args) > 1 else None
     keep = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
     if rank is None or keep is not True or list(dims or []) not in ([-1], [rank - 1]) or "dtype" in mean.kwargs:
         return None
     p = mean.args[0]
-    if not _is(p, aten.pow.Tensor_Scalar) or p.args[0] is not xf or p.args[1] != 2 or _only_user(p) is not mean:
+    if not is_call(p, aten.pow.Tensor_Scalar) or p.args[0] is not xf or p.args[1] != 2 or only_user(p) is not mean:
         return None
     return eps, p
 
@@ -184,8 +167,8 @@ def _match_rstd(r: object, xf: object) -> Optional[tuple[float, torch.fx.Node]]:
 def _match_gated(linear: torch.fx.Node) -> Optional[tuple[torch.fx.Node, bool]]:
     """``(mul, gate_first)`` when the linear's only use is ``silu(half) * other_half`` of its
     output split in two equal halves on the last dim (``split_with_sizes``, ``split``, ``chunk``)."""
-    split = _only_user(linear)
-    n = _val(linear).shape[-1]
+    split = only_user(linear)
+    n = tensor_value(linear).shape[-1]
     kinds = {aten.split_with_sizes.default: [n // 2, n // 2], aten.split.Tensor: n // 2, aten.chunk.default: 2}
     if split is None or n % 2 or split.op != "call_function" or split.target not in kinds:
         return None
@@ -193,10 +176,10 @@ def _match_gated(linear: torch.fx.Node) -> Optional[tuple[torch.fx.Node, bool]]:
     dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
     if isinstance(sizes, (list, tuple)):
         sizes = list(sizes)
-    if sizes != kinds[split.target] or dim not in (-1, _val(linear).dim() - 1):
+    if sizes != kinds[split.target] or dim not in (-1, tensor_value(linear).dim() - 1):
         return None
     halves = {}
-    for g in _users(split):
+    for g in users(split):
         if g.target is not operator.getitem:
             return None
         halves[g.args[1]] = g
@@ -204,13 +187,13 @@ def _match_gated(linear: torch.fx.Node) -> Optional[tuple[torch.fx.Node, bool]]:
         return None
     for gate_index in (0, 1):
         gate, up = halves[gate_index], halves[1 - gate_index]
-        act = _only_user(gate)
-        if act is None or not _is(act, aten.silu.default) or len(act.args) != 1:
+        act = only_user(gate)
+        if act is None or not is_call(act, aten.silu.default) or len(act.args) != 1:
             continue
-        mul = _only_user(act)
-        if mul is None or not _is(mul, aten.mul.Tensor) or _only_user(up) is not mul:
+        mul = only_user(act)
+        if mul is None or not is_call(mul, aten.mul.Tensor) or only_user(up) is not mul:
             continue
-        if set(_operands(mul) or ()) != {act, up} or _val(mul).dtype != _val(linear).dtype:
+        if set(_operands(mul) or ()) != {act, up} or tensor_value(mul).dtype != tensor_value(linear).dtype:
             continue
         return mul, gate_index == 0
     return None
@@ -219,33 +202,17 @@ def _match_gated(linear: torch.fx.Node) -> Optional[tuple[torch.fx.Node, bool]]:
 def _match_residual(out: torch.fx.Node) -> Optional[tuple[torch.fx.Node, torch.fx.Node]]:
     """``(add, residual)`` when ``out``'s only use is ``out + residual`` (either order) with both of
     the same shape and dtype."""
-    add = _only_user(out)
-    if add is None or not _is(add, aten.add.Tensor) or _operands(add) is None:
+    add = only_user(out)
+    if add is None or not is_call(add, aten.add.Tensor) or _operands(add) is None:
         return None
     a, b = _operands(add)
     other = b if a is out else a
-    ov, rv, av = _val(out), _val(other), _val(add)
+    ov, rv, av = tensor_value(out), tensor_value(other), tensor_value(add)
     if other is out or rv is None or av is None:
         return None
     if rv.shape != ov.shape or rv.dtype != ov.dtype or av.dtype != ov.dtype:
         return None
     return add, other
-
-
-def _mutates(node: torch.fx.Node) -> bool:
-    """Whether ``node`` may write memory (an in-place or out= op, a mutating kernel call)."""
-    return node.op == "call_function" and node.target is not _ASSERT and node.is_impure()
-
-
-def _moves_no_read_past_a_write(first: torch.fx.Node, last: torch.fx.Node) -> bool:
-    """The rewritten node runs where ``last`` ran and reads what the pattern read from ``first``
-    on: sound only if nothing in between writes memory."""
-    node = first
-    while node is not last:
-        if _mutates(node):
-            return False
-        node = node.next
-    return True
 
 
 def _site(
@@ -255,21 +222,21 @@ def _site(
     replace (a residual ``add`` of two linears is folded into the first of them only)."""
     from offgraph_export.lowering.triton_gemv import gemv_applies
 
-    if not _is(node, aten.linear.default):
+    if not is_call(node, aten.linear.default):
         return None
     if (len(node.args) > 2 and node.args[2] is not None) or node.kwargs.get("bias") is not None:
         return None
     x, w = node.args[0], node.args[1]
     if not (isinstance(w, torch.fx.Node) and w.op == "placeholder" and w.name in weights):
         return None
-    xv, wv = _val(x), _val(w)
+    xv, wv = tensor_value(x), tensor_value(w)
     if xv is None or wv is None or xv.dtype != wv.dtype or wv.device.type not in device_types:
         return None
     if wv.dim() != 2 or wv.stride(1) != 1:
         return None  # the kernel reads row-major weights
     plain = gemv_applies(tuple(xv.shape), tuple(wv.shape))
     gated = _match_gated(node) if gemv_applies(tuple(xv.shape), tuple(wv.shape), gated=True) else None
-    norm = _match_rmsnorm(x, weights) if _only_user(x) is node else None
+    norm = _match_rmsnorm(x, weights) if only_user(x) is node else None
     # the folds that apply, dropped last-first until no write lies inside the folded pattern
     for use_norm, use_gated, use_residual in itertools.product((1, 0), repeat=3):
         if (use_gated and gated is None) or (not use_gated and not plain):
@@ -284,28 +251,12 @@ def _site(
         residual = _match_residual(site.last) if use_residual else None
         if residual is not None and residual[0] not in claimed:
             site.last, site.residual = residual
-        if _moves_no_read_past_a_write(first, site.last):
+        if no_write_between(first, site.last):
             return site
     return None
 
 
 # -- the rewrite ----------------------------------------------------------------------------------
-
-
-def _drop_dead(graph: torch.fx.Graph) -> None:
-    """Dead-code elimination that also drops export's dtype asserts on values nothing else uses
-    (they would keep a folded pattern's nodes alive)."""
-    while True:
-        graph.eliminate_dead_code()
-        asserts = [
-            n for n in graph.nodes
-            if n.target is _ASSERT and isinstance(n.args[0], torch.fx.Node)
-            and n.args[0].op != "placeholder" and not _users(n.args[0])
-        ]
-        if not asserts:
-            return
-        for n in asserts:
-            graph.erase_node(n)
 
 
 def decode_gemv(ep: ExportedProgram, device_types: tuple[str, ...] = ("cuda",)) -> PassResult[GemvCounts]:
@@ -336,7 +287,7 @@ def decode_gemv(ep: ExportedProgram, device_types: tuple[str, ...] = ("cuda",)) 
         site.last.replace_all_uses_with(node)
         replaced[site.last] = node
     if sites:
-        _drop_dead(graph)
+        drop_dead(graph)
         graph.lint()
         ep.graph_module.recompile()
     counts = GemvCounts(

@@ -1,7 +1,11 @@
 """Graph helpers used by several passes and by the pipeline: the user-input placeholders, the
-symbols of their dynamic dims and those symbols' ranges."""
+symbols of their dynamic dims and those symbols' ranges; small node predicates for the passes
+that match patterns (users, single users, writes between two nodes) and their dead-code
+elimination."""
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch.export import ExportedProgram
@@ -11,6 +15,13 @@ from offgraph_export.errors import ExportError
 from offgraph_export.specs.artifact import InputSpec, SymbolRange
 
 __all__ = [
+    "ASSERT_METADATA",
+    "drop_dead",
+    "is_call",
+    "no_write_between",
+    "only_user",
+    "tensor_value",
+    "users",
     "user_input_nodes",
     "size_expr",
     "symbol_range",
@@ -88,3 +99,61 @@ def describe_inputs(
             )
         )
     return inputs, symbols
+
+
+# -- node predicates for pattern-matching passes ---------------------------------------------------
+
+#: export's dtype/device assert: it reads a value but computes nothing
+ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
+
+
+def tensor_value(node: object) -> Optional[torch.Tensor]:
+    """The (fake) tensor a node produces, or None."""
+    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def users(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """Users that compute something (export's dtype asserts do not)."""
+    return [u for u in node.users if u.target is not ASSERT_METADATA]
+
+
+def only_user(node: torch.fx.Node) -> Optional[torch.fx.Node]:
+    found = users(node)
+    return found[0] if len(found) == 1 else None
+
+
+def is_call(node: object, target: object) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is target
+
+
+def _writes(node: torch.fx.Node) -> bool:
+    """Whether ``node`` may write memory (an in-place or out= op, a mutating kernel call)."""
+    return node.op == "call_function" and node.target is not ASSERT_METADATA and node.is_impure()
+
+
+def no_write_between(first: torch.fx.Node, last: torch.fx.Node) -> bool:
+    """True when no node from ``first`` up to (not including) ``last`` writes memory: a rewrite
+    that computes at ``last`` what a pattern read from ``first`` on reads the same values."""
+    node = first
+    while node is not last:
+        if _writes(node):
+            return False
+        node = node.next
+    return True
+
+
+def drop_dead(graph: torch.fx.Graph) -> None:
+    """Dead-code elimination that also drops export's dtype asserts on values nothing else uses
+    (they would keep a folded pattern's nodes alive)."""
+    while True:
+        graph.eliminate_dead_code()
+        asserts = [
+            n for n in graph.nodes
+            if n.target is ASSERT_METADATA and isinstance(n.args[0], torch.fx.Node)
+            and n.args[0].op != "placeholder" and not users(n.args[0])
+        ]
+        if not asserts:
+            return
+        for n in asserts:
+            graph.erase_node(n)

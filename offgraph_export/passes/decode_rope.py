@@ -1,0 +1,121 @@
+"""Fold the rotary embedding of the decode method's queries and keys into its attention kernel.
+
+Why: at one token the rotary embedding is one small pointwise kernel per layer (on the H200 about
+2.5 us of a 1.2 ms Llama-1B step, 16 launches), reading and writing a few hundred bytes. The
+one-token attention kernel already loads the query and the new key, so it can rotate them itself
+(``lowering/triton_attend.py``, ``_rotate_half``) given the step's ``cos``/``sin`` rows, which the
+program computes once per step for every layer.
+
+The pattern is the eager form of Llama-family models, on the query and on the key of one
+``offgraph_lowered::triton_update_and_attend`` call of width 1::
+
+    r = x * cos + cat([-x[..., D/2:], x[..., :D/2]], -1) * sin
+
+with ``cos``/``sin`` one row of ``D`` values in ``x``'s dtype, the same two nodes for the query and
+the key, and every value inside the pattern used only there. The call then takes ``x`` for q and
+k and the rows as ``rope_cos``/``rope_sin``; the kernel performs the same products and sum with
+the same roundings. A call whose pattern has a memory write between its first node and the call
+is left alone. Run it on the decode method before ``functionalize``. Produces how many attention
+calls took their rotary embedding.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.export import ExportedProgram
+
+from offgraph_export.passes.graph_utils import drop_dead, is_call, no_write_between, only_user, tensor_value, users
+from offgraph_export.passes.result import PassResult
+
+__all__ = ["decode_rope"]
+
+aten = torch.ops.aten
+_END = 2**63 - 1
+
+
+def _pair(node: object, target: object) -> Optional[tuple[object, object]]:
+    """The two operands of a plain ``mul``/``add`` call (no alpha)."""
+    if not is_call(node, target) or len(node.args) != 2 or node.kwargs:
+        return None
+    return node.args[0], node.args[1]
+
+
+def _is_half(node: object, x: torch.fx.Node, lo: int, hi: int) -> bool:
+    """``node`` is ``x[..., lo:hi]`` on the last dim (``hi`` may be any bound past the end)."""
+    if not is_call(node, aten.slice.Tensor) or node.args[0] is not x or only_user(node) is None:
+        return False
+    rank, d = tensor_value(x).dim(), tensor_value(x).shape[-1]
+    dim, start = node.args[1], node.args[2] if len(node.args) > 2 else 0
+    end = node.args[3] if len(node.args) > 3 else _END
+    step = node.args[4] if len(node.args) > 4 else 1
+    return dim in (-1, rank - 1) and start == lo and step == 1 and (end == hi or (hi == d and end >= d))
+
+
+def _is_row(node: object, x: torch.Tensor) -> bool:
+    """``node`` is one rotary row: ``D`` values in ``x``'s dtype, every other dim of size 1."""
+    value = tensor_value(node)
+    return value is not None and value.dtype == x.dtype and value.shape[-1] == x.shape[-1] and value.numel() == x.shape[-1]
+
+
+def _match_rope(r: object) -> Optional[tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node, list[torch.fx.Node]]]:
+    """``(x, cos, sin, pattern nodes)`` when ``r`` is ``x * cos + rotate_half(x) * sin``."""
+    operands = _pair(r, aten.add.Tensor)
+    if operands is None:
+        return None
+    for a, b in (operands, operands[::-1]):
+        direct, rotated = _pair(a, aten.mul.Tensor), _pair(b, aten.mul.Tensor)
+        if direct is None or rotated is None or only_user(a) is not r or only_user(b) is not r:
+            continue
+        for cat, sin in (rotated, rotated[::-1]):
+            if not is_call(cat, aten.cat.default) or only_user(cat) is not b:
+                continue
+            pieces, dim = cat.args[0], cat.args[1] if len(cat.args) > 1 else 0
+            if len(pieces) != 2 or not is_call(pieces[0], aten.neg.default) or only_user(pieces[0]) is not cat:
+                continue
+            hi_half, lo_half = pieces[0].args[0], pieces[1]
+            for x, cos in (direct, direct[::-1]):
+                xv = tensor_value(x)
+                if xv is None or xv.shape[-1] % 2 or dim not in (-1, xv.dim() - 1):
+                    continue
+                half, d = xv.shape[-1] // 2, xv.shape[-1]
+                if not (_is_half(hi_half, x, half, d) and _is_half(lo_half, x, 0, half)):
+                    continue
+                if set(users(x)) != {a, hi_half, lo_half} or not (_is_row(cos, xv) and _is_row(sin, xv)):
+                    continue
+                if any(tensor_value(n).dtype != xv.dtype for n in (a, b, r)):
+                    continue
+                return x, cos, sin, [a, hi_half, lo_half, pieces[0], cat, b, r]
+    return None
+
+
+def decode_rope(ep: ExportedProgram) -> PassResult[int]:
+    """Fold the rotary embedding into each one-token attention call of ``ep`` (in place); see the
+    module docstring."""
+    import offgraph_export.lowering.triton_attend  # noqa: F401  (defines the op)
+
+    attend = torch.ops.offgraph_lowered.triton_update_and_attend.default
+    graph = ep.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    folded = 0
+    for node in list(graph.nodes):
+        if not is_call(node, attend) or len(node.args) != 9 or node.kwargs:
+            continue
+        q_val = tensor_value(node.args[0])
+        if q_val is None or not isinstance(q_val.shape[2], int) or q_val.shape[2] != 1:
+            continue
+        q, k = _match_rope(node.args[0]), _match_rope(node.args[1])
+        if q is None or k is None or q[1] is not k[1] or q[2] is not k[2]:
+            continue
+        first = min(q[3] + k[3], key=order.__getitem__)
+        if not no_write_between(first, node):
+            continue
+        node.args = (q[0], k[0], *node.args[2:])
+        node.kwargs = {"rope_cos": q[1], "rope_sin": q[2]}
+        folded += 1
+    if folded:
+        drop_dead(graph)
+        graph.lint()
+        ep.graph_module.recompile()
+    return PassResult(ep, modified=bool(folded), produced=folded)
