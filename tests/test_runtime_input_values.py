@@ -176,3 +176,17 @@ def test_threads_with_their_own_sessions_match_running_one_after_another(loaded_
         assert len(results[seed]) == len(solo[seed])
         for got, want in zip(results[seed], solo[seed]):
             assert torch.equal(got, want), seed
+
+
+def test_owned_positions_of_a_one_token_step_are_aligned_views(loaded_example):
+    """The session's own positions for a one-token step are a dense, 16-byte aligned view of its
+    table at any start (the compiled code reads them in place, no copy per step); wider steps
+    get the right values too."""
+    from offgraph_export.runtime.input_values import InputValues
+
+    values = InputValues(loaded_example.specs, torch.device("cpu"))
+    for start in (0, 1, 2, 7, 1001):
+        one = values._positions(start, 1)
+        assert one.tolist() == [start] and one.is_contiguous() and one.data_ptr() % 16 == 0
+    assert values._positions(5, 3).tolist() == [5, 6, 7]
+    assert values._positions(0, 0).tolist() == []

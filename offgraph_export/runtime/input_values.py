@@ -41,14 +41,18 @@ class InputValues:
             self._token_dim = shape.index(specs.width_symbol)
 
     def _positions(self, start: int, width: int) -> torch.Tensor:
-        """``arange(start, start + width)`` on the device, from a table made once per session."""
+        """``arange(start, start + width)`` on the device, from a table made once per session.
+        Each entry has a 16-byte slot of its own (the value, then a copy), so a one-token step
+        gets a one-element view aligned as the compiled code requires, read in place; a view of
+        a plain table would sit at an odd 8-byte offset every other step and be copied. A wider
+        step gets a strided view, which the session makes dense."""
         manifest = self.specs.manifest
         size = manifest.max_capacity + manifest.max_write
         if start + width > size:  # ring-only models have no capacity bound: make them
             return torch.arange(start, start + width, dtype=torch.int64, device=self.device)
         if self._table is None:
-            self._table = torch.arange(size, dtype=torch.int64, device=self.device)
-        return self._table[start : start + width]
+            self._table = torch.arange(size, dtype=torch.int64, device=self.device).repeat_interleave(2)
+        return self._table[2 * start : 2 * (start + width) : 2]
 
     def apply(self, inputs: Sequence[torch.Tensor], width: int, committed_length: int) -> list[torch.Tensor]:
         """The inputs to run: positions checked or replaced, indices checked. Raises
