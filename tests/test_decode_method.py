@@ -156,8 +156,9 @@ def test_decode_folds_compute_the_same_step_on_cuda(tmp_path):
     from tests.test_frontend_hf import COMMON
 
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)).save_pretrained(tmp_path)
-    bundle = load_bundle(f"hf:{tmp_path}")
-    model = bundle.model.requires_grad_(False).to("cuda", torch.bfloat16)
+    bundle = load_bundle(f"hf:{tmp_path}", dtype="bfloat16", initial_capacity=64)
+    assert bundle.cache_config.storage_dtype == "bfloat16"
+    model = bundle.model.requires_grad_(False).to("cuda")
     inputs = tuple(x.to("cuda") for x in bundle.example_inputs)
 
     def decode_program(**folds):
@@ -172,6 +173,10 @@ def test_decode_folds_compute_the_same_step_on_cuda(tmp_path):
     args, _ = plain.program.example_inputs
     gen = torch.Generator(device="cuda").manual_seed(0)
     args = [a.normal_(generator=gen) if a.is_floating_point() else a for a in (x.clone() for x in args)]
+    rows = args[2].shape[2]
+    # a position with rotary angles far from 0 and stored history before it (at position 0 the
+    # rotation is the identity and the step attends only to itself)
+    args[1] = torch.full_like(args[1], rows - 7)
     a, b = [x.clone() for x in args], [x.clone() for x in args]
     def logits(program, args):
         out = program.module()(*args)

@@ -758,9 +758,9 @@ def _eager_rope(x, cos, sin):
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
 
 
-def _rope_case(dtype, device, window, rows, seed=0):
+def _rope_case(dtype, device, window, rows, seed=0, d=32):
     gen = torch.Generator().manual_seed(seed)
-    b, hq, hkv, d = 1, 8, 2, 32
+    b, hq, hkv = 1, 8, 2
 
     def rand(*shape):
         return torch.randn(*shape, generator=gen).to(device, dtype)
@@ -768,18 +768,21 @@ def _rope_case(dtype, device, window, rows, seed=0):
     angles = torch.rand(d // 2, generator=gen) * 40.0
     cos = torch.cat([angles.cos(), angles.cos()]).to(device, dtype).view(1, 1, 1, d)
     sin = torch.cat([angles.sin(), angles.sin()]).to(device, dtype).view(1, 1, 1, d)
-    q, k, v = rand(b, hq, 1, d), rand(b, hkv, 1, d), rand(b, hkv, 1, d)
+    # q and k as transposed views, as a model's projections reach the attention
+    q = rand(b, 1, hq, d).transpose(1, 2)
+    k = rand(b, 1, hkv, d).transpose(1, 2)
+    v = rand(b, hkv, 1, d)
     store = rand(b, hkv, rows, d), rand(b, hkv, rows, d)
     return q, k, v, cos, sin, store
 
 
-def _check_rope_fold(dtype, device, window, rows, position, **tol):
-    q, k, v, cos, sin, (ks, vs) = _rope_case(dtype, device, window, rows)
+def _check_rope_fold(dtype, device, window, rows, position, d=32, **tol):
+    q, k, v, cos, sin, (ks, vs) = _rope_case(dtype, device, window, rows, d=d)
     pos = torch.tensor([position], device=device)
     ks2, vs2 = ks.clone(), vs.clone()
-    got = triton_update_and_attend(q, k, v, pos, ks, vs, window, 32**-0.5, dtype, cos, sin)
+    got = triton_update_and_attend(q, k, v, pos, ks, vs, window, d**-0.5, dtype, cos, sin)
     want = triton_update_and_attend(
-        _eager_rope(q, cos, sin), _eager_rope(k, cos, sin), v, pos, ks2, vs2, window, 32**-0.5, dtype
+        _eager_rope(q, cos, sin), _eager_rope(k, cos, sin), v, pos, ks2, vs2, window, d**-0.5, dtype
     )
     torch.testing.assert_close(got, want, **tol)
     torch.testing.assert_close(ks, ks2, atol=0, rtol=0)  # the stored key is the rotated one
@@ -787,12 +790,14 @@ def _check_rope_fold(dtype, device, window, rows, position, **tol):
 
 
 @interpreter_only
-@pytest.mark.parametrize("window, rows, position", [(None, 256, 200), (16, 16, 200), (None, 64, 0)])
-def test_interp_rope_in_the_decode_kernel_matches_rotated_inputs(window, rows, position):
+@pytest.mark.parametrize(
+    "window, rows, position, d", [(None, 256, 200, 32), (16, 16, 200, 32), (None, 64, 0, 32), (None, 64, 40, 80)]
+)
+def test_interp_rope_in_the_decode_kernel_matches_rotated_inputs(window, rows, position, d):
     """q and k unrotated plus the step's cos/sin rows give what the eager rotation followed by
-    the same kernel gives (fp32: the interpreter truncates bf16), flat and ring, the row written
-    rotated."""
-    _check_rope_fold(torch.float32, "cpu", window, rows, position, atol=1e-6, rtol=1e-6)
+    the same kernel gives (fp32: the interpreter truncates bf16), flat and ring, a head dim that
+    is not a power of two, the row written rotated."""
+    _check_rope_fold(torch.float32, "cpu", window, rows, position, d=d, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.cuda

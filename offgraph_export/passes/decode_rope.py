@@ -44,7 +44,7 @@ def _pair(node: object, target: object) -> Optional[tuple[object, object]]:
 
 def _is_half(node: object, x: torch.fx.Node, lo: int, hi: int) -> bool:
     """``node`` is ``x[..., lo:hi]`` on the last dim (``hi`` may be any bound past the end)."""
-    if not is_call(node, aten.slice.Tensor) or node.args[0] is not x or only_user(node) is None:
+    if not is_call(node, aten.slice.Tensor) or node.args[0] is not x or node.kwargs or only_user(node) is None:
         return False
     rank, d = tensor_value(x).dim(), tensor_value(x).shape[-1]
     dim, start = node.args[1], node.args[2] if len(node.args) > 2 else 0
