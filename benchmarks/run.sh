@@ -25,9 +25,10 @@ BUDGET=${BENCH_BUDGET_S:-560}
 VARIANTS=${BENCH_VARIANTS:-offgraph offgraph-fused}   # which of this project's builds to measure
 PHASE=${BENCH_PHASE:-all}
 case "$PHASE" in all|build|measure) ;; *) echo "BENCH_PHASE must be all, build or measure, not '$PHASE'"; exit 2;; esac
+mkdir -p "$ART"
+ART=$(cd "$ART" && pwd)   # absolute: the inductor cache below and the records live there
 # hf-compile's kernels (and their autotuning) come from the inductor caches in the measure call
 [ "$PHASE" != all ] && export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$ART/inductor-cache}
-mkdir -p "$ART"
 rm -f "$OUT/.builds_done"
 B="python3 benchmarks/decode_bench.py"
 CONFIG=benchmarks/configs/llama-3.2-1b
