@@ -40,7 +40,7 @@ import torch
 from torch.export import ExportedProgram
 
 from offgraph_export.passes.graph_utils import (
-    drop_dead, is_call, no_write_between, only_user, tensor_value, users,
+    binary_operands, drop_dead, is_call, no_write_between, only_user, tensor_value, users,
 )
 from offgraph_export.passes.result import PassResult
 
@@ -89,13 +89,6 @@ def _cast_source(node: torch.fx.Node, dtype: torch.dtype) -> Optional[torch.fx.N
     return src if ok and isinstance(src, torch.fx.Node) else None
 
 
-def _operands(node: torch.fx.Node) -> Optional[tuple[object, object]]:
-    """``(a, b)`` of a plain two-tensor ``mul``/``add`` (no alpha)."""
-    if len(node.args) != 2 or node.kwargs:
-        return None
-    return node.args[0], node.args[1]
-
-
 def _weight_names(ep: ExportedProgram) -> set[str]:
     sig = ep.graph_signature
     return {*sig.inputs_to_parameters, *sig.inputs_to_buffers, *sig.inputs_to_lifted_tensor_constants}
@@ -111,11 +104,11 @@ def _match_rmsnorm(
     ``w_n * cast(xf * rsqrt(mean(xf ** 2, [-1], keepdim) + eps))`` with ``xf`` the fp32 ``x`` (a cast
     or ``x`` itself), every value used only inside the pattern, ``w_n`` a 1-D weight and ``z`` of
     ``w_n``'s dtype."""
-    zv = tensor_value(z)
-    if zv is None or not is_call(z, aten.mul.Tensor) or _operands(z) is None:
+    zv, z_ops = tensor_value(z), binary_operands(z, aten.mul.Tensor)
+    if zv is None or z_ops is None:
         return None
     dt, k = zv.dtype, zv.shape[-1]
-    for w_n, y in (_operands(z), _operands(z)[::-1]):
+    for w_n, y in (z_ops, z_ops[::-1]):
         wv = tensor_value(w_n)
         if not (isinstance(w_n, torch.fx.Node) and w_n.op == "placeholder" and w_n.name in weights):
             continue
@@ -124,11 +117,12 @@ def _match_rmsnorm(
         m = _cast_source(y, dt) or y  # an fp32 model may keep the (no-op) cast or not
         if only_user(y) is not z or (m is not y and only_user(m) is not y):
             continue
-        if not is_call(m, aten.mul.Tensor) or _operands(m) is None or tensor_value(m).dtype != torch.float32:
+        m_ops = binary_operands(m, aten.mul.Tensor)
+        if m_ops is None or tensor_value(m).dtype != torch.float32:
             continue
         if m is y and dt != torch.float32:
             continue
-        for xf, r in (_operands(m), _operands(m)[::-1]):
+        for xf, r in (m_ops, m_ops[::-1]):
             found = _match_rstd(r, xf)
             if found is None or tensor_value(xf) is None or tensor_value(xf).dtype != torch.float32:
                 continue
@@ -147,9 +141,10 @@ def _match_rstd(r: object, xf: object) -> Optional[tuple[float, torch.fx.Node]]:
     if not is_call(r, aten.rsqrt.default) or only_user(r) is None:
         return None
     s = r.args[0]
-    if not is_call(s, aten.add.Tensor) or _operands(s) is None or only_user(s) is not r:
+    s_ops = binary_operands(s, aten.add.Tensor)
+    if s_ops is None or only_user(s) is not r:
         return None
-    a, b = _operands(s)
+    a, b = s_ops
     mean, eps = (a, b) if isinstance(b, float) else (b, a)
     if not isinstance(eps, float) or not is_call(mean, aten.mean.dim) or only_user(mean) is not s:
         return None
@@ -193,7 +188,7 @@ def _match_gated(linear: torch.fx.Node) -> Optional[tuple[torch.fx.Node, bool]]:
         mul = only_user(act)
         if mul is None or not is_call(mul, aten.mul.Tensor) or only_user(up) is not mul:
             continue
-        if set(_operands(mul) or ()) != {act, up} or tensor_value(mul).dtype != tensor_value(linear).dtype:
+        if set(binary_operands(mul, aten.mul.Tensor) or ()) != {act, up} or tensor_value(mul).dtype != tensor_value(linear).dtype:
             continue
         return mul, gate_index == 0
     return None
@@ -203,9 +198,10 @@ def _match_residual(out: torch.fx.Node) -> Optional[tuple[torch.fx.Node, torch.f
     """``(add, residual)`` when ``out``'s only use is ``out + residual`` (either order) with both of
     the same shape and dtype."""
     add = only_user(out)
-    if add is None or not is_call(add, aten.add.Tensor) or _operands(add) is None:
+    add_ops = binary_operands(add, aten.add.Tensor) if add is not None else None
+    if add_ops is None:
         return None
-    a, b = _operands(add)
+    a, b = add_ops
     other = b if a is out else a
     ov, rv, av = tensor_value(out), tensor_value(other), tensor_value(add)
     if other is out or rv is None or av is None:

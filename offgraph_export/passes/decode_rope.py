@@ -26,20 +26,15 @@ from typing import Optional
 import torch
 from torch.export import ExportedProgram
 
-from offgraph_export.passes.graph_utils import drop_dead, is_call, no_write_between, only_user, tensor_value, users
+from offgraph_export.passes.graph_utils import (
+    binary_operands, drop_dead, is_call, no_write_between, only_user, tensor_value, users,
+)
 from offgraph_export.passes.result import PassResult
 
 __all__ = ["decode_rope"]
 
 aten = torch.ops.aten
 _END = 2**63 - 1
-
-
-def _pair(node: object, target: object) -> Optional[tuple[object, object]]:
-    """The two operands of a plain ``mul``/``add`` call (no alpha)."""
-    if not is_call(node, target) or len(node.args) != 2 or node.kwargs:
-        return None
-    return node.args[0], node.args[1]
 
 
 def _is_half(node: object, x: torch.fx.Node, lo: int, hi: int) -> bool:
@@ -61,11 +56,11 @@ def _is_row(node: object, x: torch.Tensor) -> bool:
 
 def _match_rope(r: object) -> Optional[tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node, list[torch.fx.Node]]]:
     """``(x, cos, sin, pattern nodes)`` when ``r`` is ``x * cos + rotate_half(x) * sin``."""
-    operands = _pair(r, aten.add.Tensor)
+    operands = binary_operands(r, aten.add.Tensor)
     if operands is None:
         return None
     for a, b in (operands, operands[::-1]):
-        direct, rotated = _pair(a, aten.mul.Tensor), _pair(b, aten.mul.Tensor)
+        direct, rotated = binary_operands(a, aten.mul.Tensor), binary_operands(b, aten.mul.Tensor)
         if direct is None or rotated is None or only_user(a) is not r or only_user(b) is not r:
             continue
         for cat, sin in (rotated, rotated[::-1]):

@@ -16,6 +16,7 @@ from offgraph_export.specs.artifact import InputSpec, SymbolRange
 
 __all__ = [
     "ASSERT_METADATA",
+    "binary_operands",
     "drop_dead",
     "is_call",
     "no_write_between",
@@ -125,6 +126,14 @@ def only_user(node: torch.fx.Node) -> Optional[torch.fx.Node]:
 
 def is_call(node: object, target: object) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is target
+
+
+def binary_operands(node: object, target: object) -> Optional[tuple[object, object]]:
+    """``(a, b)`` when ``node`` is a plain two-operand call of ``target`` (no alpha or other
+    keyword), else None."""
+    if not is_call(node, target) or len(node.args) != 2 or node.kwargs:
+        return None
+    return node.args[0], node.args[1]
 
 
 def _writes(node: torch.fx.Node) -> bool:

@@ -36,8 +36,7 @@ def check_constants(weights: Mapping[str, Any], description: str, method: str, s
             "constants the program was compiled for"
         )
     for name, tensor in weights.items():
-        want = data[name]
-        got = [str(tensor.dtype).removeprefix("torch."), list(tensor.shape)]
+        want, got = data[name], _describe(tensor)
         if want != got:
             raise ArtifactError(
                 f"{source}: method {method!r}: weight {name!r} is {got[0]} {got[1]} but the program "
@@ -45,8 +44,12 @@ def check_constants(weights: Mapping[str, Any], description: str, method: str, s
             )
 
 
+def _describe(tensor: Any) -> list[Any]:
+    return [str(tensor.dtype).removeprefix("torch."), list(tensor.shape)]
+
+
 def describe_constants(constants: Mapping[str, Any]) -> str:
     """Canonical JSON ``{name: [dtype, shape]}`` of a program's constants (compiled into each
     method's metadata at export, compared by :func:`check_constants` at load)."""
-    data = {name: [str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in constants.items()}
+    data = {name: _describe(t) for name, t in constants.items()}
     return json.dumps(data, sort_keys=True, separators=(",", ":"))
