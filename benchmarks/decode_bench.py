@@ -4,8 +4,11 @@ transformers user would otherwise pick, on one model, in one run (``benchmarks/r
 Contenders (all the same Llama-3.2-1B-shaped model: ``benchmarks/configs/llama-3.2-1b``, random
 bf16 weights from seed 0, batch 1):
 
-* ``offgraph``: ``offgraph-export export hf:CONFIG`` for cuda (decode method, max-autotune on the
-  decode method), run by the bundled runtime, ordinary launches and CUDA-graph decode.
+* ``offgraph``: ``offgraph-export export hf:CONFIG`` for cuda with the defaults (decode method,
+  max-autotune on it, GEMV projections with their folds, rotary fold), run by the bundled runtime,
+  ordinary launches and CUDA-graph decode; ``offgraph-gemv`` (``--no-decode-rope``) and
+  ``offgraph-unfused`` (``--no-decode-gemv --no-decode-rope``) take folds away (``VARIANTS``).
+  Their CUDA-graph rows also time the captured graph replayed alone (``replay_ms``).
 * ``hf-aoti``: transformers' static cache (``TorchExportableModuleWithStaticCache``), exported
   with one token per step and compiled by AOTInductor, ordinary launches and replayed as a CUDA
   graph. Its cache holds ``--max-cache-len`` rows and every step attends over all of them.
@@ -115,8 +118,12 @@ def kernel_class(name: str) -> str:
     return "other"
 
 
-def kernel_breakdown(step, steps: int = 5) -> dict:
-    """GPU time of one ``step()`` by kernel class, from torch.profiler over ``steps`` calls."""
+def kernel_breakdown(step, steps: int = 5, trace: Path | None = None) -> dict:
+    """GPU time of one ``step()`` by kernel class, from torch.profiler over ``steps`` calls.
+    ``trace``: also write a chrome trace (host and device) of one more step there, gzipped; its
+    host times are inflated by the profiler (a per-step GPU span measured that way came out
+    longer than the unprofiled step, so the idle time between kernels is taken from the replay
+    timing instead, ``report.py``)."""
     if not torch.cuda.is_available():
         return {}
     from torch.profiler import ProfilerActivity, profile
@@ -130,20 +137,33 @@ def kernel_breakdown(step, steps: int = 5) -> dict:
     by_class: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
     top: dict[str, float] = defaultdict(float)
-    for event in prof.events():
-        if event.device_type != torch.autograd.DeviceType.CUDA:
-            continue
+    for event in _device_events(prof):
         us = event.device_time if hasattr(event, "device_time") else event.cuda_time
         cls = kernel_class(event.name)
         by_class[cls] += us / steps
         counts[cls] += 1
         top[event.name[:80]] += us / steps
+    if trace is not None:
+        import gzip
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as one:
+            step()
+            sync()
+        raw = trace.with_suffix("")
+        one.export_chrome_trace(str(raw))
+        trace.write_bytes(gzip.compress(raw.read_bytes()))
+        raw.unlink()
+    total = sum(by_class.values())
     return {
         "us_per_step": {k: round(v, 1) for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])},
         "kernels_per_step": {k: v // steps for k, v in counts.items()},
-        "total_us": round(sum(by_class.values()), 1),
+        "total_us": round(total, 1),
         "top_kernels_us": {k: round(v, 1) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:12]},
     }
+
+
+def _device_events(prof) -> list:
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -219,7 +239,11 @@ def graph_step(fn, static_inputs: list[torch.Tensor]):
 
 
 #: this project's variants: contender name -> extra export arguments
-VARIANTS = {"offgraph": [], "offgraph-gemv": ["--decode-gemv"], "offgraph-fused": ["--decode-gemv", "--decode-rope"]}
+VARIANTS = {
+    "offgraph": [],  # the cuda defaults: decode method, GEMV projections with their folds, rotary fold
+    "offgraph-gemv": ["--no-decode-rope"],
+    "offgraph-unfused": ["--no-decode-gemv", "--no-decode-rope"],  # the compiler's GEMMs
+}
 
 
 def build_offgraph(args) -> None:
@@ -321,6 +345,14 @@ def measure_offgraph(args, floor, name: str) -> dict:
     rows = []
     for graphs in ([False, True] if dev.type == "cuda" else [False]):
         rows += decode_rows(name, "graph" if graphs else "ordinary", step_at_mode(graphs), args.history, args.steps, floor)
+        if graphs:
+            # the captured graph replayed alone (the same step again: no input copies, no runtime
+            # work before it), what the static-cache contenders' graph rows time; the difference
+            # to the full step is this runtime's host work before the replay
+            for session, row in zip(sessions, rows[-len(sessions):]):
+                replay = session._graphs.graph.replay  # noqa: SLF001 (the benchmark looks inside)
+                row["replay_ms"] = time_steps(replay, args.steps)["median_ms"]
+                log(f"{name:10s} replay   history {row['history']:6d}: {row['replay_ms']:.3f} ms")
         for s in sessions:
             s.close()
         sessions.clear()
@@ -332,13 +364,23 @@ def measure_offgraph(args, floor, name: str) -> dict:
         session.step(*make_inputs(prompt[:, :PREFILL], 0))
 
     prefill_t = time_steps(prefill, 10, warmup=2)
-    breakdown = {}
+    breakdown, breakdown_last = {}, {}
     for graphs in ([False, True] if dev.type == "cuda" else []):
+        mode = "graph" if graphs else "ordinary"
         step, _ = step_at_mode(graphs)(args.history[0])
-        breakdown["graph" if graphs else "ordinary"] = kernel_breakdown(step)
-    for s in sessions:
-        s.close()
+        trace = Path(args.out) / f"trace_{name}_{mode}_{args.history[0]}.json.gz" if name == "offgraph" else None
+        breakdown[mode] = kernel_breakdown(step, trace=trace)
+        for s in sessions:
+            s.close()
+        sessions.clear()
+        if len(args.history) > 1:
+            step, _ = step_at_mode(graphs)(args.history[-1])
+            breakdown_last[mode] = kernel_breakdown(step)
+            for s in sessions:
+                s.close()
+            sessions.clear()
     return {"rows": rows, "prefill_1024": prefill_t, "breakdown_1k": breakdown,
+            "breakdown_last": {"history": args.history[-1], **breakdown_last},
             "device_bytes_after_load": loaded_bytes, "specs_options": artifact.specs.options,
             "methods": artifact.specs.methods}
 

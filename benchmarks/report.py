@@ -11,13 +11,21 @@ import sys
 from pathlib import Path
 
 
-#: this project's contenders (benchmarks/decode_bench.py VARIANTS)
-OURS = ("offgraph", "offgraph-gemv")
+#: the static-cache contenders' result files; every other ``NAME.json`` with a ``NAME_build.json``
+#: beside it is one of this project's variants (``decode_bench.py`` VARIANTS, whichever ran)
+THEIRS = ("hf_aoti", "hf_compile")
 
 
 def _load(out: Path, name: str) -> dict | None:
     path = out / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else None
+
+
+def _ours(out: Path) -> list[str]:
+    """This project's variants measured in ``out``, the default build first."""
+    names = [p.name[: -len("_build.json")] for p in out.glob("*_build.json")]
+    names = [n for n in names if n not in THEIRS and (out / f"{n}.json").exists()]
+    return sorted(names, key=lambda n: (n != "offgraph", n))
 
 
 def _mb(n: float | None) -> str:
@@ -26,8 +34,9 @@ def _mb(n: float | None) -> str:
 
 def render(out: Path) -> str:
     floor = _load(out, "floor") or {}
-    results = {name: _load(out, name) for name in (*OURS, "hf_aoti", "hf_compile")}
-    builds = {name: _load(out, f"{name}_build") for name in (*OURS, "hf_aoti")}
+    ours = _ours(out)
+    results = {name: _load(out, name) for name in (*ours, *THEIRS)}
+    builds = {name: _load(out, f"{name}_build") for name in (*ours, "hf_aoti")}
     rows = [r for res in results.values() if res for r in res["rows"]]
     lines = ["# Decode side by side", ""]
     if floor:
@@ -37,26 +46,34 @@ def render(out: Path) -> str:
             "Floor = (weights + live K/V) / copy rate.", "",
         ]
     lines += [
-        "| contender | launch | history | ms/token (median) | p90 | tokens/s | GB/s | % of floor | KV bytes allocated |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "This project's rows time the runtime's whole step (inputs, admission, positions, growth check, "
+        "the program or its graph's replay, commit); `replay` is its captured graph replayed alone. The "
+        "static-cache contenders' graph rows time the replay alone (their inputs are set once).", "",
+        "| contender | launch | history | ms/token (median) | p90 | replay alone | tokens/s | GB/s | % of floor | KV bytes allocated |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(rows, key=lambda r: (r["history"], r["contender"], r["mode"])):
+        replay = f"{r['replay_ms']:.3f}" if "replay_ms" in r else "-"
         lines.append(
-            f"| {r['contender']} | {r['mode']} | {r['history']:,} | {r['median_ms']:.3f} | {r['p90_ms']:.3f} | "
+            f"| {r['contender']} | {r['mode']} | {r['history']:,} | {r['median_ms']:.3f} | {r['p90_ms']:.3f} | {replay} | "
             f"{r['tokens_per_s']:.0f} | {r['gb_per_s']:.0f} | {r['pct_of_floor']:.0f}% | {_mb(r['kv_bytes'])} |"
         )
-    graph = {(r["contender"], r["history"]): r["median_ms"] for r in rows if r["mode"] == "graph"}
+    graph = {(r["contender"], r["history"]): r for r in rows if r["mode"] == "graph"}
     histories = sorted({r["history"] for r in rows})
-    lines += ["", "| history | ours, CUDA graph | best static-cache path, CUDA graph | speed-up |", "|---|---|---|---|"]
-    for name in OURS:
+    lines += ["", "| history | ours, CUDA graph: step (replay alone) | best static-cache path, CUDA graph replay | speed-up: step (replay) |",
+              "|---|---|---|---|"]
+    for name in ours:
         for h in histories:
-            ours = graph.get((name, h))
-            theirs = [(graph[(c, h)], c) for c in ("hf-aoti", "hf-compile") if (c, h) in graph]
-            if ours and theirs:
+            mine = graph.get((name, h))
+            theirs = [(graph[(c, h)]["median_ms"], c) for c in ("hf-aoti", "hf-compile") if (c, h) in graph]
+            if mine and theirs:
                 best, who = min(theirs)
-                lines.append(f"| {h:,} | {name} {ours:.3f} ms | {who} {best:.3f} ms | {best / ours:.2f}x |")
+                step, replay = mine["median_ms"], mine.get("replay_ms")
+                alone = f" ({replay:.3f})" if replay else ""
+                ratio = f" ({best / replay:.2f}x)" if replay else ""
+                lines.append(f"| {h:,} | {name} {step:.3f}{alone} ms | {who} {best:.3f} ms | {best / step:.2f}x{ratio} |")
     lines += ["", "| contender | export + compile | package | prefill of 1024 tokens (median) |", "|---|---|---|---|"]
-    for name in OURS:
+    for name in ours:
         ob = builds[name]
         if not ob:
             continue
@@ -78,17 +95,33 @@ def render(out: Path) -> str:
     eager = _load(out, "hf_eager_prefill")
     if eager:
         lines.append(f"| hf-eager | - | - | {eager['median_ms']:.2f} ms |")
-    lines += ["", "GPU time of one decode step at 1k history, by kernel class (torch.profiler, us):", ""]
+    lines += ["", "GPU time of one decode step by kernel class (torch.profiler, us). For this project's CUDA-graph rows, "
+              "`in-graph idle` = replay alone minus the kernels' time and `host before replay` = the whole step "
+              "minus the replay alone (both from the unprofiled timings at that history; the kernels' time includes the "
+              "step's input and output copies outside the graph, a few us):", ""]
     classes = ["gemm", "attention", "pointwise/norm", "copy", "other"]
-    lines += ["| contender | launch | " + " | ".join(classes) + " | total | kernels |",
-              "|---|---|" + "---|" * (len(classes) + 2)]
+    lines += ["| contender | launch | history | " + " | ".join(classes) + " | total | kernels | in-graph idle | host before replay |",
+              "|---|---|---|" + "---|" * (len(classes) + 4)]
+    first = histories[0] if histories else 0
     for name, res in results.items():
-        for mode, b in ((res or {}).get("breakdown_1k") or {}).items():
-            if not b:
-                continue
-            cells = [f"{b['us_per_step'].get(c, 0):.0f}" for c in classes]
-            lines.append(f"| {name} | {mode} | " + " | ".join(cells) + f" | {b['total_us']:.0f} | "
-                         f"{sum(b['kernels_per_step'].values())} |")
+        parts = [(first, (res or {}).get("breakdown_1k") or {})]
+        last = dict((res or {}).get("breakdown_last") or {})
+        if last:
+            parts.append((last.pop("history"), last))
+        for history, per_mode in parts:
+            for mode, b in per_mode.items():
+                if not b:
+                    continue
+                cells = [f"{b['us_per_step'].get(c, 0):.0f}" for c in classes]
+                row = graph.get((name.replace("_", "-"), history)) if mode == "graph" else None
+                idle = host = "-"
+                if row and row.get("replay_ms"):
+                    idle = f"{row['replay_ms'] * 1e3 - b['total_us']:.0f}"
+                    host = f"{(row['median_ms'] - row['replay_ms']) * 1e3:.0f}"
+                elif row and name in THEIRS:  # their graph rows are the replay alone
+                    idle, host = f"{row['median_ms'] * 1e3 - b['total_us']:.0f}", "(not timed)"
+                lines.append(f"| {name} | {mode} | {history:,} | " + " | ".join(cells) + f" | {b['total_us']:.0f} | "
+                             f"{sum(b['kernels_per_step'].values())} | {idle} | {host} |")
     return "\n".join(lines) + "\n"
 
 
@@ -100,7 +133,7 @@ def plot(out: Path) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed: report.png not written"
-    rows = [r for name in (*OURS, "hf_aoti", "hf_compile") if (d := _load(out, name)) for r in d["rows"]]
+    rows = [r for name in (*_ours(out), *THEIRS) if (d := _load(out, name)) for r in d["rows"]]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for key in sorted({(r["contender"], r["mode"]) for r in rows}):
         sel = sorted((r for r in rows if (r["contender"], r["mode"]) == key), key=lambda r: r["history"])

@@ -2,8 +2,9 @@
 # Decode at the memory floor, side by side (benchmarks/decode_bench.py says what is measured).
 # One command on the GPU machine, about 8-10 minutes:
 #   benchmarks/run.sh OUT_DIR [decode_bench options, e.g. --history 1024 8192 16384 --steps 100]
-# BENCH_VARIANTS picks this project's builds among offgraph, offgraph-gemv (--decode-gemv) and
-# offgraph-fused (--decode-gemv --decode-rope); default "offgraph offgraph-fused".
+# BENCH_VARIANTS picks this project's builds among offgraph (the cuda defaults), offgraph-gemv
+# (--no-decode-rope) and offgraph-unfused (--no-decode-gemv --no-decode-rope); default "offgraph offgraph-unfused".
+# BENCH_CHECKS: which variants `check` runs on (default: all of BENCH_VARIANTS).
 # BENCH_PHASE=build|measure splits the run over two device calls of at most 10 minutes each: the
 # first builds the packages into $BENCH_ARTIFACTS (a folder git ignores, inside the repo, so the
 # copy on a still-warm machine keeps it; also TORCHINDUCTOR_CACHE_DIR there for hf-compile), the
@@ -22,7 +23,8 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 ART=${BENCH_ARTIFACTS:-/tmp/offgraph_bench}
 BUDGET=${BENCH_BUDGET_S:-560}
-VARIANTS=${BENCH_VARIANTS:-offgraph offgraph-fused}   # which of this project's builds to measure
+VARIANTS=${BENCH_VARIANTS:-offgraph offgraph-unfused}   # which of this project's builds to measure
+CHECKS=${BENCH_CHECKS:-$VARIANTS}   # which of them `check` runs on against transformers (about 70 s each)
 PHASE=${BENCH_PHASE:-all}
 case "$PHASE" in all|build|measure) ;; *) echo "BENCH_PHASE must be all, build or measure, not '$PHASE'"; exit 2;; esac
 mkdir -p "$ART"
@@ -81,11 +83,11 @@ check_variant() {
     echo "check $variant $mode skipped (time budget)"
   fi
 }
-for variant in $VARIANTS; do check_variant "$variant" --cuda-graphs; done
+for variant in $CHECKS; do check_variant "$variant" --cuda-graphs; done
 $B measure --out "$OUT" --artifacts "$ART" "$@" > "$OUT/measure.log" 2>&1 || { status=1; tail -20 "$OUT/measure.log"; }
 wait $compile_pid || { status=1; echo "hf-compile failed: $OUT/hf_compile.log"; tail -5 "$OUT/hf_compile.log"; }
 echo "[$(date +%T) +${SECONDS}s] measured"
-for variant in $VARIANTS; do check_variant "$variant" ""; done
+for variant in $CHECKS; do check_variant "$variant" ""; done
 python3 benchmarks/report.py "$OUT" || status=1
 echo "[$(date +%T) +${SECONDS}s] status $status"
 exit $status

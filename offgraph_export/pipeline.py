@@ -51,6 +51,8 @@ __all__ = [
     "export_and_lower",
     "default_decode_method",
     "default_max_autotune",
+    "default_decode_gemv",
+    "default_decode_rope",
 ]
 
 Progress = Callable[[str], None]
@@ -211,6 +213,18 @@ def default_max_autotune(device: str) -> str:
     return "decode" if device.startswith("cuda") else "none"
 
 
+def default_decode_gemv(device: str, decode_method: bool) -> bool:
+    """GEMV projections with their folds in the decode method: on wherever there is a cuda decode
+    method (measured faster than the compiler's GEMMs there, ``benchmarks/README.md``)."""
+    return decode_method and device.startswith("cuda")
+
+
+def default_decode_rope(device: str, decode_method: bool, step_impl: str) -> bool:
+    """The rotary fold: on with the GEMV default where the triton step's one-token kernel runs
+    (the pass leaves a model whose rotary form it does not recognize unchanged)."""
+    return default_decode_gemv(device, decode_method) and step_impl == "triton"
+
+
 def lower(
     program: LoweredProgram, path: str | Path, device: str, format: str = "pt2",
     executorch_backend: str = "xnnpack", max_autotune: str = "none",
@@ -256,8 +270,8 @@ def export_and_lower(
     executorch_backend: str | None = None,
     decode_method: bool | None = None,
     max_autotune: str | None = None,
-    decode_gemv: bool = False,
-    decode_rope: bool = False,
+    decode_gemv: bool | None = None,
+    decode_rope: bool | None = None,
     **model_info,
 ) -> tuple[Path, LoweredProgram, dict[str, float]]:
     """Export, run the passes and lower ``bundle`` to ``path``; returns timings in seconds. The
@@ -265,7 +279,8 @@ def export_and_lower(
     ``max_autotune`` default per device (pt2 only): :func:`default_decode_method`,
     :func:`default_max_autotune`. For the executorch format the program is always exported on the
     cpu (the cuda backend moves it to the device); ``executorch_backend`` defaults to ``xnnpack``
-    on cpu and ``cuda`` on cuda."""
+    on cpu and ``cuda`` on cuda; ``decode_gemv`` and ``decode_rope`` per target device and decode
+    method (:func:`default_decode_gemv`, :func:`default_decode_rope`)."""
     pt2 = format == "pt2"
     target_device = device
     if not pt2:
@@ -277,6 +292,10 @@ def export_and_lower(
         decode_method = pt2 and default_decode_method(device)
     if max_autotune is None:
         max_autotune = default_max_autotune(device) if pt2 and decode_method else "none"
+    if decode_gemv is None:
+        decode_gemv = pt2 and default_decode_gemv(target_device, decode_method)
+    if decode_rope is None:
+        decode_rope = pt2 and default_decode_rope(target_device, decode_method, impl)
     if decode_gemv and not (pt2 and decode_method and target_device.startswith("cuda")):
         raise ExportError("the GEMV projections are a cuda kernel for the pt2 decode method; export for cuda with decode_method=True")
     if decode_rope and not (pt2 and decode_method and target_device.startswith("cuda") and impl == "triton"):

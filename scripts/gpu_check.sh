@@ -28,7 +28,7 @@ if [ "$MODE" != "--no-pytest" ] && [ "$MODE" != "--checks-only" ]; then
 fi
 
 ART=/tmp/offgraph_gpu/tiny_cuda.pt2
-step "export example for cuda (bf16)"
+step "export example for cuda (bf16; defaults: decode method with the GEMV and rotary folds)"
 python3 -m offgraph_export export examples/tiny_llama.py:build -o "$ART" --device cuda --dtype bfloat16 \
   --max-capacity 32768 --initial-capacity 16 --max-write 256 --json 2>&1 | tee "$OUT/export.log" || status=1
 
@@ -39,14 +39,14 @@ step "check (CUDA-graph decode)"
 python3 -m offgraph_export check "$ART" --model examples/tiny_llama.py:build --steps 24 --cuda-graphs > "$OUT/check_graphs.txt" 2>&1 || status=1
 head -6 "$OUT/check_graphs.txt" | tee -a "$OUT/summary.txt"
 
-GEMV_ART=/tmp/offgraph_gpu/tiny_cuda_gemv.pt2
-step "export example for cuda (bf16) with --decode-gemv (GEMV projections, folded norms/SiLU*mul/residuals)"
-python3 -m offgraph_export export examples/tiny_llama.py:build -o "$GEMV_ART" --device cuda --dtype bfloat16 \
-  --max-capacity 32768 --initial-capacity 16 --max-write 256 --decode-gemv --json 2>&1 | tee "$OUT/export_gemv.log" || status=1
+PLAIN_ART=/tmp/offgraph_gpu/tiny_cuda_plain.pt2
+step "export example for cuda (bf16) without the decode folds (--no-decode-gemv --no-decode-rope: the compiler's GEMMs)"
+python3 -m offgraph_export export examples/tiny_llama.py:build -o "$PLAIN_ART" --device cuda --dtype bfloat16 \
+  --max-capacity 32768 --initial-capacity 16 --max-write 256 --no-decode-gemv --no-decode-rope --json 2>&1 | tee "$OUT/export_plain.log" || status=1
 for mode in "" --cuda-graphs; do
-  step "check --decode-gemv ${mode:-(ordinary launches)}"
-  python3 -m offgraph_export check "$GEMV_ART" --model examples/tiny_llama.py:build --steps 24 $mode > "$OUT/check_gemv${mode}.txt" 2>&1 || status=1
-  head -3 "$OUT/check_gemv${mode}.txt" | tee -a "$OUT/summary.txt"
+  step "check --no-decode-gemv ${mode:-(ordinary launches)}"
+  python3 -m offgraph_export check "$PLAIN_ART" --model examples/tiny_llama.py:build --steps 24 $mode > "$OUT/check_plain${mode}.txt" 2>&1 || status=1
+  head -3 "$OUT/check_plain${mode}.txt" | tee -a "$OUT/summary.txt"
 done
 
 step "host overhead per decode step (prepare + commit; input values alone)"

@@ -18,7 +18,7 @@ from offgraph_export.lowering.portable import portable_update_and_attend
 from offgraph_export.passes.graph_utils import user_input_nodes
 from offgraph_export.passes.specialize_width import specialize_width
 from offgraph_export.lowering.aoti import compile_package
-from offgraph_export.pipeline import export_model, run_passes
+from offgraph_export.pipeline import default_decode_gemv, default_decode_rope, export_model, run_passes
 from offgraph_export.runtime import Artifact
 from offgraph_export.specs.artifact import DECODE_METHOD, STEP_METHOD, read_artifact_specs
 from tests.archive_tools import rewrite, specs_edit
@@ -84,6 +84,20 @@ def test_decode_method_gets_the_one_token_kernels():
     program = run_passes(ep, inputs, bundle.cache_config, "triton", decode_method=True)
     assert _kernel_names(program.decode) == {"_decode_attend_kernel", "_decode_combine_kernel"}
     assert _kernel_names(program.stripped) == {"_write_rows_kernel", "_attend_kernel", "_combine_splits_kernel"}
+
+
+@pytest.mark.parametrize(
+    "device, decode_method, step_impl, gemv, rope",
+    [
+        ("cuda", True, "triton", True, True),
+        ("cuda:1", True, "portable", True, False),  # the rotary fold lives in the triton kernel
+        ("cuda", False, "triton", False, False),  # no decode method, nothing to fold into
+        ("cpu", True, "triton", False, False),  # the GEMV is a GPU kernel
+    ],
+)
+def test_decode_folds_are_on_by_default_only_for_a_cuda_decode_method(device, decode_method, step_impl, gemv, rope):
+    assert default_decode_gemv(device, decode_method) is gemv
+    assert default_decode_rope(device, decode_method, step_impl) is rope
 
 
 def test_decode_gemv_rewrites_the_one_row_projections_of_the_decode_method():

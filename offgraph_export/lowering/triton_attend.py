@@ -431,16 +431,14 @@ def _combine_splits_kernel(
 @triton.jit
 def _rotate_half(x, base, offs, stride, mask, cos, sin, HEAD_DIM: tl.constexpr):
     """Rotary embedding of the tile ``x`` (head dim last, loaded from ``base + offs * stride``):
-    ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``, each product and
-    the sum rounded to ``x``'s dtype as eager stores them."""
+    ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``, computed in fp32
+    and rounded once to ``x``'s dtype, as Inductor's fused rotary kernel does (eager rounds each
+    product and the sum: in bf16 the two can differ by one unit in the last place)."""
     half: tl.constexpr = HEAD_DIM // 2
     partner = tl.where(offs < half, offs + half, offs - half)
     other = tl.load(base + partner * stride, mask=mask, other=0.0).to(tl.float32)
     other = tl.where(offs < half, -other, other)
-    dt = x.dtype
-    a = (x.to(tl.float32) * cos).to(dt).to(tl.float32)
-    b = (other * sin).to(dt).to(tl.float32)
-    return (a + b).to(dt)
+    return (x.to(tl.float32) * cos + other * sin).to(x.dtype)
 
 
 @triton.jit
