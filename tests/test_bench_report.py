@@ -1,0 +1,53 @@
+"""benchmarks/report.py renders whatever a run measured: every variant of this project that has a
+build record and results (a variant missing from a fixed list once dropped silently), the
+replay-alone column, the speed-up against the best static-cache replay, and the step
+decomposition (in-graph idle, host work before the replay) from the unprofiled timings."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+REPORT = Path(__file__).resolve().parent.parent / "benchmarks" / "report.py"
+
+
+def _report():
+    spec = importlib.util.spec_from_file_location("bench_report", REPORT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def _row(contender, mode, history, ms, replay=None):
+    row = {"contender": contender, "mode": mode, "history": history, "median_ms": ms, "p90_ms": ms * 1.01,
+           "tokens_per_s": 1e3 / ms, "gb_per_s": 2500.0, "pct_of_floor": 50.0, "kv_bytes": 67_108_864}
+    if replay is not None:
+        row["replay_ms"] = replay
+    return row
+
+
+def _breakdown(total):
+    return {"us_per_step": {"gemm": total - 100, "attention": 100}, "kernels_per_step": {"gemm": 66, "attention": 32},
+            "total_us": total, "top_kernels_us": {}}
+
+
+def test_report_lists_every_measured_variant_with_replay_and_decomposition(tmp_path):
+    def dump(name, data):
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+
+    build = {"export_s": 4, "passes_s": 30, "compile_s": 140, "bytes": 2_479_000_000}
+    for name, step, replay in (("offgraph", 1.045, 0.965), ("offgraph-unfused", 1.551, 1.450)):
+        dump(f"{name}_build", build)
+        dump(name, {"rows": [_row(name, "graph", 1024, step, replay), _row(name, "ordinary", 1024, step + 0.1)],
+                    "prefill_1024": {"median_ms": 6.0}, "breakdown_1k": {"graph": _breakdown(937.0)}})
+    dump("offgraph-gemv_build", build)  # built, never measured: not listed
+    dump("hf_compile", {"compile_s": 69, "rows": [_row("hf-compile", "graph", 1024, 2.495)],
+                        "breakdown_1k": {"graph": _breakdown(2427.0)}})
+    text = _report().render(tmp_path)
+    assert "offgraph-unfused" in text and "offgraph-gemv" not in text
+    assert "| 1,024 | offgraph 1.045 (0.965) ms | hf-compile 2.495 ms | 2.39x (2.59x) |" in text
+    # the default build's breakdown row: in-graph idle = 965 - 937, host before replay = 1045 - 965
+    assert "| offgraph | graph | 1,024 | 837 | 100 | 0 | 0 | 0 | 937 | 98 | 28 | 80 |" in text
+    assert "| hf_compile | graph | 1,024 | 2327 | 100 | 0 | 0 | 0 | 2427 | 98 | 68 | (not timed) |" in text
+    assert text.index("| 1,024 | offgraph 1.045") < text.index("| 1,024 | offgraph-unfused 1.551")
