@@ -327,6 +327,11 @@ def measure_offgraph(args, floor, name: str) -> dict:
     prompt = torch.randint(0, min(1000, vocab_size(args.config)), (1, max(args.history) + PREFILL), generator=gen).to(dev)
     sessions = []
 
+    def close_sessions() -> None:
+        for s in sessions:
+            s.close()
+        sessions.clear()
+
     def step_at_mode(graphs: bool):
         def step_at(history: int):
             session = artifact.new_session(cuda_graphs=graphs)
@@ -353,9 +358,7 @@ def measure_offgraph(args, floor, name: str) -> dict:
                 replay = session._graphs.graph.replay  # noqa: SLF001 (the benchmark looks inside)
                 row["replay_ms"] = time_steps(replay, args.steps)["median_ms"]
                 log(f"{name:10s} replay   history {row['history']:6d}: {row['replay_ms']:.3f} ms")
-        for s in sessions:
-            s.close()
-        sessions.clear()
+        close_sessions()
     # prefill of 1024 tokens from an empty cache, the general method
     session = artifact.new_session()
 
@@ -370,15 +373,11 @@ def measure_offgraph(args, floor, name: str) -> dict:
         step, _ = step_at_mode(graphs)(args.history[0])
         trace = Path(args.out) / f"trace_{name}_{mode}_{args.history[0]}.json.gz" if name == "offgraph" else None
         breakdown[mode] = kernel_breakdown(step, trace=trace)
-        for s in sessions:
-            s.close()
-        sessions.clear()
+        close_sessions()
         if len(args.history) > 1:
             step, _ = step_at_mode(graphs)(args.history[-1])
             breakdown_last[mode] = kernel_breakdown(step)
-            for s in sessions:
-                s.close()
-            sessions.clear()
+            close_sessions()
     return {"rows": rows, "prefill_1024": prefill_t, "breakdown_1k": breakdown,
             "breakdown_last": {"history": args.history[-1], **breakdown_last},
             "device_bytes_after_load": loaded_bytes, "specs_options": artifact.specs.options,

@@ -214,14 +214,14 @@ def default_max_autotune(device: str) -> str:
 
 
 def default_decode_gemv(device: str, decode_method: bool) -> bool:
-    """GEMV projections with their folds in the decode method: on wherever there is a cuda decode
-    method (measured faster than the compiler's GEMMs there, ``benchmarks/README.md``)."""
+    """GEMV projections with their folds in the decode method: on wherever they can run, a cuda
+    decode method (measured faster than the compiler's GEMMs there, ``benchmarks/README.md``)."""
     return decode_method and device.startswith("cuda")
 
 
 def default_decode_rope(device: str, decode_method: bool, step_impl: str) -> bool:
-    """The rotary fold: on with the GEMV default where the triton step's one-token kernel runs
-    (the pass leaves a model whose rotary form it does not recognize unchanged)."""
+    """The rotary fold: on wherever it can run, the triton step's one-token kernel of a cuda decode
+    method (the pass leaves a model whose rotary form it does not recognize unchanged)."""
     return default_decode_gemv(device, decode_method) and step_impl == "triton"
 
 
@@ -296,9 +296,9 @@ def export_and_lower(
         decode_gemv = pt2 and default_decode_gemv(target_device, decode_method)
     if decode_rope is None:
         decode_rope = pt2 and default_decode_rope(target_device, decode_method, impl)
-    if decode_gemv and not (pt2 and decode_method and target_device.startswith("cuda")):
+    if decode_gemv and not (pt2 and default_decode_gemv(target_device, decode_method)):
         raise ExportError("the GEMV projections are a cuda kernel for the pt2 decode method; export for cuda with decode_method=True")
-    if decode_rope and not (pt2 and decode_method and target_device.startswith("cuda") and impl == "triton"):
+    if decode_rope and not (pt2 and default_decode_rope(target_device, decode_method, impl)):
         raise ExportError(
             "the rotary fold is part of the triton step's one-token kernel: export for cuda with "
             "decode_method=True and the triton step"

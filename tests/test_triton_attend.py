@@ -24,6 +24,7 @@ import torch
 
 from offgraph_export.errors import ExportError
 from offgraph_export.lowering.portable import portable_update_and_attend
+from offgraph_export.specs.manifest import storage_row
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
@@ -789,7 +790,7 @@ def _check_rope_fold(dtype, device, window, rows, position, d=32, key_tol=None, 
 
     want = triton_update_and_attend(rotated(q), rotated(k), v, pos, ks2, vs2, window, d**-0.5, dtype)
     torch.testing.assert_close(got, want, **tol)
-    row = position % rows  # the written row: flat (position < rows) and ring alike
+    row = storage_row(position, rows)  # the written row, flat and ring alike
     others = torch.arange(rows, device=device) != row
     torch.testing.assert_close(ks[:, :, others], ks2[:, :, others], atol=0, rtol=0)
     torch.testing.assert_close(vs, vs2, atol=0, rtol=0)

@@ -154,7 +154,8 @@ def export(model_factory, output, device, max_capacity, initial_capacity, max_wr
     from offgraph_export.frontends import canonical_reference, load_bundle
     from offgraph_export.frontends.factory import parse_factory_args
     from offgraph_export.models import cast_bundle
-    from offgraph_export.pipeline import export_and_lower
+    from offgraph_export.lowering.step_impls import default_step_impl
+    from offgraph_export.pipeline import default_decode_gemv, default_decode_rope, export_and_lower
 
     _check_output(output, ".pte" if fmt == "executorch" else ".pt2")
     if fmt == "executorch" and executorch_backend is not None:
@@ -171,13 +172,14 @@ def export(model_factory, output, device, max_capacity, initial_capacity, max_wr
             param_hint="'--format'",
         )
     _check_device(device, step_impl)
-    if decode_gemv and (device != "cuda" or fmt != "pt2" or decode_method is False):
+    may_decode = fmt == "pt2" and decode_method is not False  # a decode method the folds can go into
+    if decode_gemv and not (may_decode and default_decode_gemv(device, True)):
         raise click.BadParameter(
             "--decode-gemv is a cuda kernel for the pt2 decode method: use it with --device cuda "
             "and without --no-decode-method",
             param_hint="'--decode-gemv'",
         )
-    if decode_rope and (device != "cuda" or fmt != "pt2" or decode_method is False or step_impl == "portable"):
+    if decode_rope and not (may_decode and default_decode_rope(device, True, step_impl or default_step_impl(device))):
         raise click.BadParameter(
             "--decode-rope folds the rotary embedding into the triton step's one-token kernel: use "
             "it with --device cuda, the triton step and without --no-decode-method",
