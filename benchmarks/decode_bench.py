@@ -313,6 +313,7 @@ def decode_rows(name: str, mode: str, step_at, histories, steps: int, floor) -> 
 def measure_offgraph(args, floor, name: str) -> dict:
     from offgraph_export.frontends import load_bundle
     from offgraph_export.runtime import Artifact
+    from offgraph_export.runtime.admission import positions_suppliable
 
     art = Path(args.artifacts) / f"{name}.pt2"
     bundle = load_bundle(f"hf:{args.config}", dtype="bfloat16")  # for make_inputs
@@ -339,9 +340,16 @@ def measure_offgraph(args, floor, name: str) -> dict:
             for start in range(0, history, PREFILL):
                 session.step(*make_inputs(prompt[:, start : min(start + PREFILL, history)], start))
             token = prompt[:, history : history + 1]
+            if positions_suppliable(artifact.specs):
+                # a decode loop hands the token and leaves the positions to the runtime (it owns them)
+                inputs = list(make_inputs(token, history))
+                inputs[artifact.specs.positions_input] = None
 
-            def step():
-                session.step(*make_inputs(token, session.committed_length))
+                def step():
+                    session.step(*inputs)
+            else:
+                def step():
+                    session.step(*make_inputs(token, session.committed_length))
 
             step()  # first decode step (capture with graphs)
             return step, session.metrics().allocated_bytes

@@ -69,7 +69,7 @@ CASES = [
     Case("tokens-list", lambda s, t: ([[1, 2, 3]], pos(t, 3)), "tokens.*must be a tensor, got list"),
     Case("tokens-numpy", lambda s, t: (np.zeros((1, 3), dtype=np.int64), pos(t, 3)), "must be a tensor, got ndarray"),
     Case("tokens-none", lambda s, t: (None, pos(t, 3)), "must be a tensor, got NoneType"),
-    Case("position-none", lambda s, t: (tok(3), None), "position.*must be a tensor, got NoneType"),
+    Case("tokens-and-position-none", lambda s, t: (None, None), "tokens.*must be a tensor, got NoneType"),
     Case("position-range", lambda s, t: (tok(3), range(t, t + 3)), "position.*must be a tensor, got range"),
     Case("position-int", lambda s, t: (tok(1), t), "position.*must be a tensor, got int"),
     # the position input: rank, dtype, device
@@ -196,3 +196,46 @@ def test_admit_step_reads_shapes_only(loaded_example):
     assert admit_step(specs, (torch.full((1, 5), 999), pos(10_000, 5)), committed_length=0) == 5
     with pytest.raises(StepRefused, match="max capacity"):
         admit_step(specs, (tok(32), pos(225, 32)), committed_length=225)
+
+
+def test_admission_memo_rechecks_what_changes(loaded_example):
+    """A session's ``Admission`` runs the per-input checks once per input signature; the length
+    check runs every step, a new shape is checked again, and a refused signature is not kept."""
+    from offgraph_export.runtime.admission import Admission
+
+    admit = Admission(loaded_example.specs)
+    assert admit((tok(1), pos(0, 1)), 0) == 1
+    assert admit((tok(1), pos(9, 1)), MAX_CAPACITY - 1) == 1  # same signature
+    with pytest.raises(StepRefused, match="exceeds the max capacity"):
+        admit((tok(1), pos(0, 1)), MAX_CAPACITY)  # same signature, length past the bound
+    with pytest.raises(StepRefused, match="outside the compiled range"):
+        admit((tok(33), pos(0, 33)), 0)
+    with pytest.raises(StepRefused, match="outside the compiled range"):
+        admit((tok(33), pos(0, 33)), 0)  # refused again, not remembered as admitted
+    with pytest.raises(StepRefused, match="must be int64"):
+        admit((tok(1), pos(0, 1, torch.int32)), 0)
+    assert admit((tok(4), None), 0) == 4  # positions the session supplies
+    assert admit((tok(1), pos(3, 1)), 3) == 1
+
+
+def test_positions_may_be_left_to_the_session(loaded_example, example_bundle):
+    """``None`` for the positions input: the session supplies them (same outputs as passing the
+    right ones, prefill and decode, across a reset); the width input may not be None, and an
+    artifact whose positions carry the width cannot take None for them."""
+    from offgraph_export.runtime.admission import positions_suppliable
+
+    specs = loaded_example.specs
+    assert positions_suppliable(specs)
+    assert not positions_suppliable(specs.model_copy(update={"positions_input": specs.step_width.input_index}))
+    given, supplied = loaded_example.new_session(), loaded_example.new_session()
+    tokens = tok(12, seed=4)
+    for start, width in [(0, 7), (7, 1), (8, 1), (9, 3)]:
+        chunk = tokens[:, start : start + width]
+        want = given.step(*example_bundle.make_inputs(chunk, start))[0]
+        got = supplied.step(chunk, None)[0]
+        assert torch.equal(got, want), (start, width)
+    supplied.reset()
+    given.reset()
+    assert torch.equal(supplied.step(tokens[:, :2], None)[0], given.step(*example_bundle.make_inputs(tokens[:, :2], 0))[0])
+    with pytest.raises(StepRefused, match="tokens.*must be a tensor, got NoneType"):
+        supplied.step(None, pos(2, 1))

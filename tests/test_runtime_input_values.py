@@ -128,6 +128,39 @@ def test_cuda_session_makes_its_own_positions(cuda_example):
 
 
 @pytest.mark.cuda
+def test_cuda_graph_keeps_the_position_itself(cuda_example):
+    """CUDA-graph decode advances its own position inside the graph and writes it from the host
+    only when the session's length moved otherwise: across prefills between decode steps, growth
+    (re-capture), a reset and positions given wrong, None or right, every step's output equals an
+    ordinary-launch session's bit for bit."""
+    from offgraph_export.runtime import Artifact
+
+    artifact, _ = cuda_example
+    graphed_artifact = Artifact.load(artifact.path, single_threaded=True)
+    plain, graphed = artifact.new_session(), graphed_artifact.new_session(cuda_graphs=True)
+    tokens = _tokens(64, 5).cuda()
+    # capacity 16: growths at 17 and 33; decode runs of 1 around prefills of 5, 9 and 3 tokens
+    schedule = [5, 1, 1, 1, 9, 1, 1, 1, 1, 3, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]
+    kinds = ["none", "wrong", "right"]
+    start = 0
+    for i, width in enumerate(schedule):
+        chunk = tokens[:, start : start + width]
+        want = plain.step(chunk, torch.arange(start, start + width, device="cuda"))[0]
+        given = {"none": None, "wrong": torch.arange(900, 900 + width, device="cuda"),
+                 "right": torch.arange(start, start + width, device="cuda")}[kinds[i % 3]]
+        got = graphed.step(chunk, given)[0]
+        assert torch.equal(got, want), (start, width)
+        start += width
+    metrics = graphed.metrics()
+    assert metrics.graph_captures == 3 and metrics.graph_replays == schedule.count(1)
+    plain.reset()
+    graphed.reset()
+    for start in range(3):  # after a reset the position starts over (written from the host)
+        want = plain.step(tokens[:, start : start + 1], None)[0]
+        assert torch.equal(graphed.step(tokens[:, start : start + 1], None)[0], want)
+
+
+@pytest.mark.cuda
 def test_cuda_out_of_vocabulary_id_does_not_take_the_process_down(cuda_example):
     artifact, bundle = cuda_example
     session = artifact.new_session()

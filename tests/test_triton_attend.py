@@ -596,7 +596,7 @@ FOLDS = [  # (norm, gated, gate_first, residual)
 
 @interpreter_only
 @pytest.mark.parametrize("norm, gated, gate_first, residual", FOLDS)
-@pytest.mark.parametrize("n, k", [(40, 300), (64, 1100)])
+@pytest.mark.parametrize("n, k", [(40, 300), (64, 1100), (1000, 96)])  # 1000: several tiles per persistent program
 def test_interp_gemv_folds_match_eager(n, k, norm, gated, gate_first, residual):
     """Each fold against the eager ops it replaces, in fp32 (exact up to summation order; the
     interpreter truncates fp32 -> bf16, so bf16 rounding is checked on the GPU instead)."""

@@ -506,9 +506,27 @@ def _decode_attend_kernel(
     k_base = k_store_ptr + b * sks_b + kvh * sks_h
     v_base = v_store_ptr + b * svs_b + kvh * svs_h
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    # Split 0: the step's own position, from k/v as the storage will hold them, and its row write,
+    # before the loop: these loads then overlap the loop's instead of following it, and the online
+    # softmax starts from the new position (m = its score, sum = 1, acc = its value).
+    first = split == 0
+    k_row = k_ptr + b * sk_b + kvh * sk_h
+    new_key = tl.load(k_row + offs_d * sk_d, mask=d_ok, other=0.0)
+    if ROPE:
+        new_key = _rotate_half(new_key, k_row, offs_d, sk_d, d_ok, cos, sin, HEAD_DIM)
+    new_key = new_key.to(k_store_ptr.dtype.element_ty)
+    new_val = tl.load(v_ptr + b * sv_b + kvh * sv_h + offs_dv * sv_d, mask=dv_ok, other=0.0)
+    new_val = new_val.to(v_store_ptr.dtype.element_ty)
+    in_range = (pos >= 0) & ((pos < rows) | HAS_WINDOW)
+    row = _storage_row(pos, rows)
+    write = first & in_range
+    tl.store(k_base + row * sks_r + offs_d, new_key, mask=offs_d < tl.where(write, HEAD_DIM, 0))
+    tl.store(v_base + row * svs_r + offs_dv, new_val, mask=offs_dv < tl.where(write, V_DIM, 0))
+    s_new = tl.sum(q.to(tl.float32) * new_key.to(tl.float32)[None, :], axis=1) * qk_scale
+    m_i = tl.where(row_ok & first, s_new.to(tl.float32), float("-inf"))
+    l_i = tl.where(row_ok & first, 1.0, 0.0)
+    acc = l_i[:, None] * new_val.to(tl.float32)[None, :]
+
     for start in range(k_lo, k_hi, BLOCK_N):
         p_abs = start + tl.arange(0, BLOCK_N)
         key_ok = p_abs < k_hi
@@ -518,30 +536,6 @@ def _decode_attend_kernel(
         m_i, l_i, acc = _block_accumulate(
             s, v_base, key_row, key_ok, svs_r, offs_dv, dv_ok, m_i, l_i, acc, PV_FP32
         )
-
-    # Split 0: the step's own position, from k/v as the storage will hold them, and its row write.
-    first = split == 0
-    k_row = k_ptr + b * sk_b + kvh * sk_h
-    new_key = tl.load(k_row + offs_d * sk_d, mask=d_ok, other=0.0)
-    if ROPE:
-        new_key = _rotate_half(new_key, k_row, offs_d, sk_d, d_ok, cos, sin, HEAD_DIM)
-    new_key = new_key.to(k_store_ptr.dtype.element_ty)
-    new_val = tl.load(v_ptr + b * sv_b + kvh * sv_h + offs_dv * sv_d, mask=dv_ok, other=0.0)
-    new_val = new_val.to(v_store_ptr.dtype.element_ty)
-    s_new = tl.sum(q.to(tl.float32) * new_key.to(tl.float32)[None, :], axis=1) * qk_scale
-    s_new = tl.where(row_ok & first, s_new.to(tl.float32), float("-inf"))
-    m_new = tl.maximum(m_i, s_new)
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_ref)
-    p_new = tl.exp2(s_new - m_ref)
-    l_i = l_i * alpha + p_new
-    acc = acc * alpha[:, None] + p_new[:, None] * new_val.to(tl.float32)[None, :]
-    m_i = m_new
-    in_range = (pos >= 0) & ((pos < rows) | HAS_WINDOW)
-    row = _storage_row(pos, rows)
-    write = first & in_range
-    tl.store(k_base + row * sks_r + offs_d, new_key, mask=offs_d < tl.where(write, HEAD_DIM, 0))
-    tl.store(v_base + row * svs_r + offs_dv, new_val, mask=offs_dv < tl.where(write, V_DIM, 0))
 
     out_tile = out_ptr + b * so_b + head[:, None] * so_h + offs_dv[None, :]
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -572,19 +566,25 @@ def _decode_combine_kernel(
     g = tl.program_id(1)
     b = (pid_bh // n_kv_heads).to(tl.int64)
     kvh = (pid_bh % n_kv_heads).to(tl.int64)
+    # Every split's slot is loaded at once with the position (in bounds, unwritten ones hold
+    # garbage), and the plan's mask applied after: no load waits for the position.
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    part_row = (pid_bh.to(tl.int64) * num_splits + offs_s) * BLOCK_M + g
+    slot = offs_s < num_splits
     pos = tl.load(pos_ptr).to(tl.int32)
+    m_s = tl.load(part_m_ptr + part_row, mask=slot, other=float("-inf"))
+    l_s = tl.load(part_l_ptr + part_row, mask=slot, other=0.0)
+    acc_s = tl.load(part_acc_ptr + part_row[:, None] * BLOCK_DV + offs_dv[None, :], mask=slot[:, None], other=0.0)
     lo = tl.maximum(pos - rows + 1, 0)
     if HAS_WINDOW:
         lo = tl.maximum(lo, pos - window + 1)
     chunk, n_used = _split_plan(lo, pos, num_splits, MIN_SPLIT_KEYS, BLOCK_N)
     n_merge = tl.where(n_used > 1, n_used, 0)
-    offs_s = tl.arange(0, BLOCK_S)
     s_ok = offs_s < n_merge
-    offs_dv = tl.arange(0, BLOCK_DV)
-    part_row = (pid_bh.to(tl.int64) * num_splits + offs_s) * BLOCK_M + g
-    m_s = tl.load(part_m_ptr + part_row, mask=s_ok, other=float("-inf"))
-    l_s = tl.load(part_l_ptr + part_row, mask=s_ok, other=0.0)
-    acc_s = tl.load(part_acc_ptr + part_row[:, None] * BLOCK_DV + offs_dv[None, :], mask=s_ok[:, None], other=0.0)
+    m_s = tl.where(s_ok, m_s, float("-inf"))
+    l_s = tl.where(s_ok, l_s, 0.0)
+    acc_s = tl.where(s_ok[:, None], acc_s, 0.0)
     m = tl.max(m_s, axis=0)
     m_ref = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(m_s - m_ref)
@@ -641,21 +641,34 @@ def _decode_splits(b, hkv: int, device: torch.device) -> int:
     heads = b * hkv
     if not isinstance(heads, int):
         return 16
-    target = _SPLIT_TARGET_PROGRAMS
-    if device.type == "cuda" and not _INTERPRETED:
-        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    target = 2 * sm_count(device)
     return max(1, min(_MAX_SPLITS, -(-target // max(1, heads))))
 
 
-def _decode_step(q, k, v, pos, k_store, v_store, window, scale, out_dtype, out, common, rope=None) -> torch.Tensor:
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``, read at trace time (half of
+    :data:`_SPLIT_TARGET_PROGRAMS` where there is no real GPU: the interpreter, cpu)."""
+    if device.type == "cuda" and not _INTERPRETED:
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _SPLIT_TARGET_PROGRAMS // 2
+
+
+def _decode_step(q, k, v, pos, k_store, v_store, window, scale, out_dtype, out, common, rope=None,
+                 config: Optional[dict] = None) -> torch.Tensor:
     """A one-token step in two launches (:func:`_decode_attend_kernel`, which also writes the
     row, then :func:`_decode_combine_kernel`). ``rope``: ``(cos, sin)`` rows of the head dim to
-    rotate the query and new key with, in the kernel."""
+    rotate the query and new key with, in the kernel. ``config`` overrides launch parameters
+    (``splits``, ``min_split_keys``, ``BLOCK_N``, ``num_warps``, ``num_stages``) for
+    ``scripts/sweep_decode_kernels.py``, which calls this eagerly."""
+    config = config or {}
     b, hq, _, _ = q.shape
     hkv = k.shape[1]
     group = int(hq // hkv)
     block_m = _pow2_at_least(group)
-    splits = _decode_splits(b, hkv, q.device)
+    splits = config.get("splits") or _decode_splits(b, hkv, q.device)
+    min_split_keys = config.get("min_split_keys", _DECODE_MIN_SPLIT_KEYS)
+    common = {**common, "BLOCK_N": config.get("BLOCK_N", common["BLOCK_N"])}
+    launch = {key: config[key] for key in ("num_warps", "num_stages") if key in config}
     block_dv = common["BLOCK_DV"]
     rows = k_store.shape[2]
     window_arg = window if window is not None else 0
@@ -672,14 +685,14 @@ def _decode_step(q, k, v, pos, k_store, v_store, window, scale, out_dtype, out, 
         v.stride(0), v.stride(1), v.stride(3),
         *k_store.stride()[:3], *v_store.stride()[:3], out.stride(0), out.stride(1),
         rows, window_arg, hkv, qk_scale, splits,
-        BLOCK_M=block_m, MIN_SPLIT_KEYS=_DECODE_MIN_SPLIT_KEYS, ROPE=rope is not None, **common,
+        BLOCK_M=block_m, MIN_SPLIT_KEYS=min_split_keys, ROPE=rope is not None, **common, **launch,
     )
     wrap_triton(_decode_combine_kernel)[(b * hkv, group, 1)](
         pos, out, part_acc, part_m, part_l, out.stride(0), out.stride(1),
         rows, window_arg, hkv, splits,
         GROUP=group, V_DIM=common["V_DIM"], BLOCK_DV=block_dv, BLOCK_M=block_m,
         BLOCK_N=common["BLOCK_N"], BLOCK_S=_pow2_at_least(splits, floor=2),
-        MIN_SPLIT_KEYS=_DECODE_MIN_SPLIT_KEYS, HAS_WINDOW=common["HAS_WINDOW"],
+        MIN_SPLIT_KEYS=min_split_keys, HAS_WINDOW=common["HAS_WINDOW"],
     )
     return out
 

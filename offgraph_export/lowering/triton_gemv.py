@@ -7,7 +7,10 @@ template pads the single row to a 16-row tile and gives each program a 32-128-wi
 so an output of 2048-3072 features runs on 16-96 programs, fewer than the SMs, far below the
 card's bandwidth (measured on the H200, torch 2.11, max-autotune: 0.9-1.2 TB/s for the q/k/v,
 output and down projections of a Llama-1B-shaped model). Here each program reads 2-4 full weight
-rows in wide contiguous chunks, so a 2048-wide output runs on 512-1024 programs.
+rows in wide contiguous chunks, so a 2048-wide output runs on 512-1024 programs (``_gemv_kernel``);
+or, for the gated projection, a few programs per SM each walk many one-row tiles with the weight
+loads pipelined across tiles (``_gemv_tiles_kernel``), which the sweep in :func:`_config` found
+faster there.
 
 At one token the step is also launch-bound: the RMSNorm before a projection, the SiLU·mul after
 the gate|up projection and the residual add after the output and down projections are each a
@@ -31,7 +34,7 @@ from typing import Optional
 import torch
 
 from offgraph_export.errors import ExportError
-from offgraph_export.lowering.triton_attend import _TRITON_IMPORT_ERROR, tl, triton
+from offgraph_export.lowering.triton_attend import _TRITON_IMPORT_ERROR, _pow2_at_least, sm_count, tl, triton
 
 __all__ = ["OP_NAME", "triton_gemv", "gemv_applies", "MAX_GEMV_ROWS"]
 
@@ -41,16 +44,27 @@ OP_NAME = "offgraph_lowered::triton_gemv"
 #: the measured 16384- and 128256-wide projections ran at 2.6-4.0 TB/s there). A gated GEMV
 #: reads twice its output width.
 MAX_GEMV_ROWS = 8192
-#: Launch configurations, from a sweep on the H200 (``scripts/bench_gemv.py``, torch 2.11, bf16,
-#: the Llama-1B projections with their folds, L2 flushed): 2 rows x 1024 columns per step for
-#: K = 2048 (q|k|v, output, gate|up: within 5% of the best of 24 configs each) and 4 x 2048 for
-#: the K = 8192 down projection (23% faster than 4 x 512); 4 warps.
+#: Launch configurations, from a sweep on the H200 (``scripts/sweep_decode_kernels.py``, torch
+#: 2.11, bf16, the Llama-1B projections with their folds, 16 layers' weights in one CUDA graph;
+#: ``benchmarks/h200-2026-12-01-host/sweep_gemv.log``): one program per 2 rows x 1024 columns for
+#: K = 2048 (q|k|v 6.2 us, output 4.6 us: within 2% of the best of 70 configs each) and 4 x 2048
+#: for the K = 8192 down projection (10.6 us, the best); the gated gate|up projection runs the
+#: persistent row-tile kernel, 1 row per tile, 4 programs per SM, 3 stages (19.3 us, 3.5 TB/s,
+#: against 21.0 us for the per-row-block kernel); 4 warps.
 _LONG_ROWS = 4096
+#: The persistent kernel holds a tile (``BLOCK_N`` x K) in registers: at most this many elements.
+_TILE_ELEMENTS = 16384
 
 
-def _config(k: int) -> tuple[int, int]:
-    """``(BLOCK_N, BLOCK_K)`` for rows of ``k`` columns."""
-    return (4, 2048) if k >= _LONG_ROWS else (2, 1024)
+def _config(k: int, gated: bool = False) -> dict:
+    """The kernel and its launch parameters for rows of ``k`` columns: ``kernel`` "rows"
+    (:func:`_gemv_kernel`: ``BLOCK_N``, ``BLOCK_K``, ``num_warps``) or "tiles"
+    (:func:`_gemv_tiles_kernel`: ``BLOCK_N``, ``per_sm`` programs, ``num_warps``, ``num_stages``)."""
+    if gated and _pow2_at_least(k) <= _TILE_ELEMENTS:
+        return {"kernel": "tiles", "BLOCK_N": 1, "per_sm": 4, "num_warps": 4, "num_stages": 3}
+    if k >= _LONG_ROWS:
+        return {"kernel": "rows", "BLOCK_N": 4, "BLOCK_K": 2048, "num_warps": 4}
+    return {"kernel": "rows", "BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4}
 
 
 @triton.jit
@@ -93,16 +107,63 @@ def _gemv_kernel(
         acc += w.to(tl.float32) * xf
         if GATED:
             acc_up += w_up.to(tl.float32) * xf
-    out = tl.sum(acc, axis=1).to(dt)  # the projection's output, rounded as eager stores it
+    proj = tl.sum(acc, axis=1)
+    up = proj
+    if GATED:
+        up = tl.sum(acc_up, axis=1)
+    _finish(proj, up, out_ptr, res_ptr, rows, row_ok, GATED, RESIDUAL)
+
+
+@triton.jit
+def _finish(proj, up, out_ptr, res_ptr, rows, row_ok, GATED: tl.constexpr, RESIDUAL: tl.constexpr):
+    """The epilogue of both kernels: the fp32 row sums ``proj`` (and ``up`` when GATED) rounded as
+    eager stores them, then ``silu(gate) * up`` and the residual add, each rounded, and the store."""
+    dt = out_ptr.dtype.element_ty
+    out = proj.to(dt)  # the projection's output, rounded as eager stores it
     if GATED:
         gate = out.to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(dt)
-        up = tl.sum(acc_up, axis=1).to(dt)
-        out = (act.to(tl.float32) * up.to(tl.float32)).to(dt)
+        out = (act.to(tl.float32) * up.to(dt).to(tl.float32)).to(dt)
     if RESIDUAL:
         res = tl.load(res_ptr + rows, mask=row_ok, other=0.0)
         out = (out.to(tl.float32) + res.to(tl.float32)).to(dt)
     tl.store(out_ptr + rows, out, mask=row_ok)
+
+
+@triton.jit
+def _gemv_tiles_kernel(
+    x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, N, K, stride_wn, gate_offset, up_offset, eps,
+    NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """Persistent variant for rows that fit one block (``K <= BLOCK_K``): program p prepares
+    ``x`` once (the RMSNorm prologue included), then walks the row tiles ``p, p + P, ...`` (P
+    programs, a few per SM), ``BLOCK_N`` output features (weight rows) each, with the weight loads
+    software-pipelined ``NUM_STAGES`` deep across tiles, so an SM keeps reading weights while it
+    reduces the tile before, instead of starting a new program (and its prologue) per tile."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    dt = out_ptr.dtype.element_ty
+    cols = tl.arange(0, BLOCK_K)
+    col_ok = cols < K
+    x = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
+    if NORM:
+        xs = x.to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(xs * xs, axis=0) / K + eps)
+        scale = tl.load(norm_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        x = (scale * (xs * rstd).to(dt).to(tl.float32)).to(dt)
+    xf = x.to(tl.float32)[None, :]
+    for tile in tl.range(pid, tl.cdiv(N, BLOCK_N), programs, num_stages=NUM_STAGES):
+        rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        mask = row_ok[:, None] & col_ok[None, :]
+        w = tl.load(w_ptr + ((rows + gate_offset).to(tl.int64) * stride_wn)[:, None] + cols[None, :], mask=mask, other=0.0)
+        proj = tl.sum(w.to(tl.float32) * xf, axis=1)
+        up = proj
+        if GATED:
+            w_up = tl.load(w_ptr + ((rows + up_offset).to(tl.int64) * stride_wn)[:, None] + cols[None, :], mask=mask, other=0.0)
+            up = tl.sum(w_up.to(tl.float32) * xf, axis=1)
+        _finish(proj, up, out_ptr, res_ptr, rows, row_ok, GATED, RESIDUAL)
 
 
 def gemv_applies(x_shape, w_shape, gated: bool = False) -> bool:
@@ -130,6 +191,13 @@ def _gemv(
     gated: bool = False,
     gate_first: bool = True,
 ) -> torch.Tensor:
+    return gemv_launch(x, w, norm_weight, eps, residual, gated, gate_first)
+
+
+def gemv_launch(x, w, norm_weight=None, eps=0.0, residual=None, gated=False, gate_first=True,
+                config: Optional[dict] = None) -> torch.Tensor:
+    """The op's body; ``config`` overrides :func:`_config` (``scripts/sweep_decode_kernels.py``
+    calls this eagerly to sweep launch configurations)."""
     n, k = int(w.shape[0]), int(w.shape[1])
     torch._check(w.stride(1) == 1, lambda: "the weight must be row-major")
     torch._check(x.shape[-1] == k, lambda: f"x has {x.shape[-1]} features, the weight {k}")
@@ -147,12 +215,18 @@ def _gemv(
     gate_offset, up_offset = (0, n_out) if gate_first else (n_out, 0)
     if not gated:
         gate_offset = up_offset = 0
-    block_n, block_k = _config(k)
-    torch.library.wrap_triton(_gemv_kernel)[(triton.cdiv(n_out, block_n), 1, 1)](
-        flat, w, out, norm, res, n_out, k, w.stride(0), gate_offset, up_offset, eps,
-        NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
-    )
+    config = config or _config(k, gated)
+    args = (flat, w, out, norm, res, n_out, k, w.stride(0), gate_offset, up_offset, eps)
+    flags = dict(NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None,
+                 BLOCK_N=config["BLOCK_N"], num_warps=config["num_warps"])
+    tiles = triton.cdiv(n_out, config["BLOCK_N"])
+    if config["kernel"] == "tiles":
+        programs = min(tiles, config["per_sm"] * sm_count(x.device))
+        torch.library.wrap_triton(_gemv_tiles_kernel)[(programs, 1, 1)](
+            *args, BLOCK_K=_pow2_at_least(k), NUM_STAGES=config["num_stages"], **flags,
+        )
+    else:
+        torch.library.wrap_triton(_gemv_kernel)[(tiles, 1, 1)](*args, BLOCK_K=config["BLOCK_K"], **flags)
     return out
 
 

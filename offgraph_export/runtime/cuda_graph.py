@@ -5,8 +5,15 @@ the storage's contents change, and the compiled code reads all three from device
 step can be captured once per storage binding and replayed: the step's inputs are copied into
 static buffers, the graph replays, the outputs are copied out of its static buffers. The graph
 bakes in the storage addresses and row count, so it is re-captured only when storage moves
-(growth): at most ``ceil(log2(max_capacity / initial_capacity))`` times after the first capture.
-Prefill steps (more than one token) run with ordinary launches.
+(growth, seen as a new ``SessionStorage.generation``): at most
+``ceil(log2(max_capacity / initial_capacity))`` times after the first capture. Prefill steps (more
+than one token) run with ordinary launches.
+
+The runtime owns the position (``runtime/input_values.py``), so the graph keeps it itself: the
+captured step ends by advancing its static position by one, and before a replay the host writes
+the position only when the session's length is not the one the last replay left there (the first
+step after a capture, a prefill, a reset or a failed step). A decode loop thus costs, before the
+replay, one copy (the token) and no work for the position.
 
 The artifact must be loaded with ``single_threaded=True`` (AOTInductor's capturable runner).
 """
@@ -28,22 +35,31 @@ class DecodeGraphs:
             raise StepRefused("CUDA graphs need a cuda artifact")
         self.session = session
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.binding: tuple[int, ...] = ()
+        self.generation = -1
         self.static_inputs: list[torch.Tensor] = []
         self.static_outputs: list[torch.Tensor] = []
         self.captures = 0
         self.replays = 0
+        self._positions_index = session.specs.positions_input
+        #: the position the static positions buffer holds after the last replay (None: unknown)
+        self._next_position: int | None = None
+        self._graph_positions: torch.Tensor | None = None
 
     def accepts(self, width: int) -> bool:
         return width == 1
 
-    def _binding_key(self) -> tuple[int, ...]:
-        return tuple(t.data_ptr() for t in self.session.storage.bound())
+    def _static_input(self, x: torch.Tensor | None, position: int) -> torch.Tensor:
+        if x is None:  # the runtime's position, which the graph keeps and advances itself
+            shape = self.session._values.positions_shape(1)  # noqa: SLF001 (same package)
+            return torch.full(shape, position, dtype=torch.int64, device=self.session.artifact.device)
+        return x.clone()
 
-    def _capture(self, inputs: Sequence[torch.Tensor]) -> None:
+    def _capture(self, inputs: Sequence[torch.Tensor | None], position: int) -> None:
         artifact = self.session.artifact
         storage = list(self.session.storage.bound())
-        self.static_inputs = [x.clone() for x in inputs]
+        self.static_inputs = [self._static_input(x, position) for x in inputs]
+        index = self._positions_index
+        positions = self.static_inputs[index] if index is not None and inputs[index] is None else None
         # Warm up on a side stream (first launches may allocate or initialize), then capture. The
         # warm-up performs this step's writes; the replay below writes the same rows again.
         side = torch.cuda.Stream()
@@ -54,17 +70,29 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             self.static_outputs = artifact.run([*self.static_inputs, *storage], width=1)
+            if positions is not None:
+                positions.add_(1)  # the next step's position, for the next replay
         self.graph = graph
-        self.binding = self._binding_key()
+        self.generation = self.session.storage.generation
+        self._graph_positions = positions
+        self._next_position = position
         self.captures += 1
 
-    def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        if self.graph is None or self._binding_key() != self.binding:
-            self._capture(inputs)
+    def run(self, inputs: Sequence[torch.Tensor | None], position: int) -> list[torch.Tensor]:
+        """Replay the step at ``position`` (the session's length) on ``inputs``; ``None`` in place of
+        positions the graph supplies."""
+        if self.graph is None or self.session.storage.generation != self.generation:
+            self._capture(inputs, position)
         else:
             for static, x in zip(self.static_inputs, inputs):
-                static.copy_(x)
+                if x is not None:
+                    static.copy_(x)
+                elif position != self._next_position:
+                    static.fill_(position)
         assert self.graph is not None
+        self._next_position = None  # unknown until the replay is launched
         self.graph.replay()
         self.replays += 1
+        if self._graph_positions is not None:
+            self._next_position = position + 1
         return [out.clone() for out in self.static_outputs]

@@ -4,7 +4,10 @@
   and nowhere else. A host (CPU) positions tensor is compared with that and the step is refused if
   it differs (skipped, rewound or negative positions never reach the program). A device tensor is
   not read (that would cost a device-to-host sync per step): the runtime puts its own positions in
-  its place, a view of a per-session table on the device (no kernel launch).
+  its place, a view of a per-session table on the device (no kernel launch). ``None`` (where
+  ``admission.positions_suppliable``) is replaced the same way, on any device. A caller that
+  runs the step as a captured CUDA graph asks for no tensor at all (``materialize=False``): the
+  graph keeps its own copy of the position (``runtime/cuda_graph.py``).
 * Table indices (token ids into the embedding): a host tensor outside ``[0, index_bound)`` is
   refused before launch; a device tensor is not read, and the program clamps indices into the
   table itself (``passes/bound_table_indices.py``), so a bad id cannot read out of bounds or trip a
@@ -54,9 +57,23 @@ class InputValues:
             self._table = torch.arange(size, dtype=torch.int64, device=self.device).repeat_interleave(2)
         return self._table[2 * start : 2 * (start + width) : 2]
 
-    def apply(self, inputs: Sequence[torch.Tensor], width: int, committed_length: int) -> list[torch.Tensor]:
+    def positions_shape(self, width: int) -> list[int]:
+        """The shape of supplied positions (a ``None`` positions input): the width along the token
+        dim, the recorded static size elsewhere."""
+        assert self.specs.positions_input is not None
+        spec = self.specs.inputs[self.specs.positions_input]
+        return [width if d == self._token_dim else int(n) for d, n in enumerate(spec.shape)]
+
+    def apply(
+        self,
+        inputs: Sequence[torch.Tensor | None],
+        width: int,
+        committed_length: int,
+        materialize: bool = True,
+    ) -> list[torch.Tensor | None]:
         """The inputs to run: positions checked or replaced, indices checked. Raises
-        :class:`StepRefused` naming the input; changes nothing."""
+        :class:`StepRefused` naming the input; changes nothing. ``materialize=False``: positions
+        the runtime would supply are left as ``None`` (a captured graph holds its own)."""
         out = list(inputs)
         for i, bound in self._bounded:
             x = out[i]
@@ -72,9 +89,9 @@ class InputValues:
         if index is None:
             return out
         x = out[index]
-        shape = [1] * x.dim()
-        shape[self._token_dim] = width  # type: ignore[index]
-        if _on_host(x):
+        if x is not None and _on_host(x):
+            shape = [1] * x.dim()
+            shape[self._token_dim] = width  # type: ignore[index]
             expected = torch.arange(committed_length, committed_length + width, dtype=torch.int64)
             if not torch.equal(x, expected.view(shape).expand(x.shape)):
                 got = x.reshape(-1)[: min(4, x.numel())].tolist()
@@ -84,5 +101,11 @@ class InputValues:
                     f"(its committed length is {committed_length}); reset the session to start over"
                 )
             return out
-        out[index] = self._positions(committed_length, width).view(shape).expand(x.shape)
+        if not materialize:
+            out[index] = None
+            return out
+        full = self.positions_shape(width) if x is None else list(x.shape)
+        shape = [1] * len(full)
+        shape[self._token_dim] = width  # type: ignore[index]
+        out[index] = self._positions(committed_length, width).view(shape).expand(full)
         return out

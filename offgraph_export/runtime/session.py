@@ -18,7 +18,7 @@ import torch
 from pydantic import BaseModel
 
 from offgraph_export.errors import StepFailed, StepRefused
-from offgraph_export.runtime.admission import admit_step
+from offgraph_export.runtime.admission import Admission
 from offgraph_export.runtime.artifact import Artifact
 from offgraph_export.runtime.input_values import InputValues
 from offgraph_export.runtime.storage import Allocator, SessionStorage, default_allocator
@@ -44,7 +44,7 @@ def _dense(x: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class PreparedStep:
     """An admitted step: its width and the inputs the program runs on (dense, positions owned
-    by the runtime)."""
+    by the runtime; ``None`` in place of positions a captured CUDA graph supplies itself)."""
 
     width: int
     inputs: list[torch.Tensor]
@@ -75,6 +75,7 @@ class Session:
         self.artifact = artifact
         self.specs = artifact.specs
         self.storage = SessionStorage(self.specs.manifest, artifact.device, allocator, poison)
+        self._admit = Admission(self.specs)
         self._values = InputValues(self.specs, artifact.device)
         self.committed_length = 0
         self.closed = False
@@ -86,14 +87,16 @@ class Session:
             self._graphs = DecodeGraphs(self)
 
     # -- the step -------------------------------------------------------------------------------
-    def prepare(self, inputs: Sequence[torch.Tensor]) -> PreparedStep:
-        """Admit the step and grow storage for it. Changes nothing on refusal."""
+    def prepare(self, inputs: Sequence[torch.Tensor | None]) -> PreparedStep:
+        """Admit the step and grow storage for it. Changes nothing on refusal. The positions input
+        may be ``None`` (the session supplies them) where ``admission.positions_suppliable``."""
         if self.closed:
             self._refused += 1
             raise StepRefused("this session is closed; open a new one with artifact.new_session()")
         try:
-            width = admit_step(self.specs, inputs, self.committed_length)
-            owned = self._values.apply(inputs, width, self.committed_length)
+            width = self._admit(inputs, self.committed_length)
+            graphed = self._graphs is not None and self._graphs.accepts(width)
+            owned = self._values.apply(inputs, width, self.committed_length, materialize=not graphed)
         except StepRefused:
             self._refused += 1
             raise
@@ -104,12 +107,12 @@ class Session:
             raise StepRefused(
                 f"could not grow storage to {self.committed_length + width} tokens (cache unchanged): {exc}"
             ) from exc
-        return PreparedStep(width, [_dense(x) for x in owned])
+        return PreparedStep(width, [x if x is None else _dense(x) for x in owned])
 
     def run(self, step: PreparedStep) -> list[torch.Tensor]:
         """Launch the compiled program on prepared storage (no commit)."""
         if self._graphs is not None and self._graphs.accepts(step.width):
-            return self._graphs.run(step.inputs)
+            return self._graphs.run(step.inputs, self.committed_length)
         return self.artifact.run([*step.inputs, *self.storage.bound()], width=step.width)
 
     def commit(self, step: PreparedStep) -> None:
@@ -118,7 +121,7 @@ class Session:
         if self.artifact.method_for(step.width) == DECODE_METHOD:
             self._decode_steps += 1
 
-    def step(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
+    def step(self, *inputs: torch.Tensor | None) -> list[torch.Tensor]:
         """prepare -> run -> commit. Returns the program's outputs."""
         prepared = self.prepare(inputs)
         try:

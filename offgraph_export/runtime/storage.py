@@ -52,6 +52,9 @@ class SessionStorage:
         self.poison = poison
         self.capacity = manifest.initial_capacity if manifest.has_flat else 0
         self.growth_count = 0
+        #: changes whenever ``bound()`` returns other tensors (growth, release): what a captured
+        #: CUDA graph checks instead of every tensor's address
+        self.generation = 0
         self._inputs = manifest.storage_inputs()
         self._keys = [self._key(s) for s in self._inputs]
         self.tensors: dict[tuple[int, Which], torch.Tensor] = {
@@ -108,12 +111,14 @@ class SessionStorage:
         self._bound = [self.tensors[key] for key in self._keys]
         self.capacity = new_capacity
         self.growth_count += 1
+        self.generation += 1
         return True
 
     def release(self) -> None:
         """Drop every storage tensor (the session is closing)."""
         self.tensors.clear()
         self._bound = []
+        self.generation += 1
 
     def allocated_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
