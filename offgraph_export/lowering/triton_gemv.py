@@ -52,15 +52,16 @@ MAX_GEMV_ROWS = 8192
 #: persistent row-tile kernel, 1 row per tile, 4 programs per SM, 3 stages (19.3 us, 3.5 TB/s,
 #: against 21.0 us for the per-row-block kernel); 4 warps.
 _LONG_ROWS = 4096
-#: The persistent kernel holds a tile (``BLOCK_N`` x K) in registers: at most this many elements.
-_TILE_ELEMENTS = 16384
+#: The persistent kernel holds a whole row (and x) in registers; it was measured at K = 2048, and
+#: longer rows keep the per-row-block kernel until measured.
+_TILE_MAX_K = 2048
 
 
 def _config(k: int, gated: bool = False) -> dict:
     """The kernel and its launch parameters for rows of ``k`` columns: ``kernel`` "rows"
     (:func:`_gemv_kernel`: ``BLOCK_N``, ``BLOCK_K``, ``num_warps``) or "tiles"
     (:func:`_gemv_tiles_kernel`: ``BLOCK_N``, ``per_sm`` programs, ``num_warps``, ``num_stages``)."""
-    if gated and _pow2_at_least(k) <= _TILE_ELEMENTS:
+    if gated and k <= _TILE_MAX_K:
         return {"kernel": "tiles", "BLOCK_N": 1, "per_sm": 4, "num_warps": 4, "num_stages": 3}
     if k >= _LONG_ROWS:
         return {"kernel": "rows", "BLOCK_N": 4, "BLOCK_K": 2048, "num_warps": 4}
