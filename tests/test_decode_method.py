@@ -100,6 +100,29 @@ def test_decode_folds_are_on_by_default_only_for_a_cuda_decode_method(device, de
     assert default_decode_rope(device, decode_method, step_impl) is rope
 
 
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(decode_gemv=True), "GEMV projections are a cuda kernel"),
+        (dict(decode_rope=True), "rotary fold is part of the triton step"),
+        (dict(decode_gemv=True, format="executorch"), "GEMV projections are a cuda kernel"),
+    ],
+    ids=["gemv-on-cpu", "rope-on-cpu", "gemv-for-executorch"],
+)
+def test_explicit_decode_folds_where_they_cannot_run_are_refused_before_export(tmp_path, options, message):
+    """Asking for a fold where it cannot run fails at once, naming what it needs, and writes
+    nothing (no export, no compile)."""
+    from offgraph_export.errors import ExportError
+    from offgraph_export.frontends import load_bundle
+    from offgraph_export.pipeline import export_and_lower
+    from tests.conftest import EXAMPLE
+
+    out = tmp_path / "never.pt2"
+    with pytest.raises(ExportError, match=message):
+        export_and_lower(load_bundle(EXAMPLE), out, device="cpu", **options)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_decode_gemv_rewrites_the_one_row_projections_of_the_decode_method():
     """On the decode method every bias-free linear is one row (the example's widest has 256
     outputs): all are rewritten where the kernel may run; a cpu program is left alone by default
