@@ -507,8 +507,9 @@ def _decode_attend_kernel(
     v_base = v_store_ptr + b * svs_b + kvh * svs_h
 
     # Split 0: the step's own position, from k/v as the storage will hold them, and its row write,
-    # before the loop: these loads then overlap the loop's instead of following it, and the online
-    # softmax starts from the new position (m = its score, sum = 1, acc = its value).
+    # before the loop, so nothing waits for the loop to issue these loads (no measurable change in
+    # the H200 step, benchmarks/README.md); the online softmax starts from the new position
+    # (m = its score, sum = 1, acc = its value).
     first = split == 0
     k_row = k_ptr + b * sk_b + kvh * sk_h
     new_key = tl.load(k_row + offs_d * sk_d, mask=d_ok, other=0.0)
