@@ -154,6 +154,9 @@ def sweep_attention(log) -> dict:
             config = {**row["config"], "splits": splits, "min_split_keys": min_keys}
             result["stage2"].append({"config": config, **{str(h): timed(config, h) for h in positions}})
     result["stage2"].sort(key=lambda r: r["16384"]["us"] + r["1024"]["us"])
+    # the built-in choice again, last: its spread against the first reading is the sweep's noise
+    result["default_again"] = {h: timed({}, h) for h in positions}
+    log("attention default again: " + ", ".join(f"{h}: {result['default_again'][h]['us']:.2f} us" for h in positions))
     for row in result["stage2"][:6]:
         log(f"  {row['config']}: " + ", ".join(f"{h} {row[h]['us']:.2f} us ({row[h]['tb_s']:.2f} TB/s)" for h in ("1024", "8192", "16384")))
     return result
