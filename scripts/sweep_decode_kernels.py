@@ -24,10 +24,11 @@ import argparse
 import itertools
 import json
 import math
-import statistics
 import time
 
 import torch
+
+from bench_attention import time_ms  # scripts/, the script's own folder
 
 from offgraph_export.lowering import triton_attend as ta
 from offgraph_export.lowering import triton_gemv as tg
@@ -48,22 +49,7 @@ ROWS = 32768
 
 def graph_us(fn, reps: int = 30) -> float:
     """Median time of one replay of ``fn`` captured as a CUDA graph, divided by LAYERS, in us."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return 1e3 * statistics.median(times) / LAYERS
+    return 1e3 * time_ms(fn, reps) / LAYERS
 
 
 def sweep_gemv(log) -> list[dict]:

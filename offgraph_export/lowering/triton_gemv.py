@@ -69,6 +69,13 @@ def _config(k: int, gated: bool = False) -> dict:
 
 
 @triton.jit
+def _rms_normed(x, scale, rstd, dt: tl.constexpr):
+    """RMSNorm of ``x`` given its ``rstd``, in the eager rounding order: normalize in fp32, round
+    to ``dt``, scale by the (fp32) weight, round."""
+    return (scale * (x.to(tl.float32) * rstd).to(dt).to(tl.float32)).to(dt)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, N, K, stride_wn, gate_offset, up_offset, eps,
     NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
@@ -103,7 +110,7 @@ def _gemv_kernel(
         x = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
         if NORM:
             scale = tl.load(norm_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-            x = (scale * (x.to(tl.float32) * rstd).to(dt).to(tl.float32)).to(dt)
+            x = _rms_normed(x, scale, rstd, dt)
         xf = x.to(tl.float32)[None, :]
         acc += w.to(tl.float32) * xf
         if GATED:
@@ -152,7 +159,7 @@ def _gemv_tiles_kernel(
         xs = x.to(tl.float32)
         rstd = tl.math.rsqrt(tl.sum(xs * xs, axis=0) / K + eps)
         scale = tl.load(norm_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        x = (scale * (xs * rstd).to(dt).to(tl.float32)).to(dt)
+        x = _rms_normed(x, scale, rstd, dt)
     xf = x.to(tl.float32)[None, :]
     for tile in tl.range(pid, tl.cdiv(N, BLOCK_N), programs, num_stages=NUM_STAGES):
         rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)

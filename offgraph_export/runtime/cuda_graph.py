@@ -43,7 +43,6 @@ class DecodeGraphs:
         self._positions_index = session.specs.positions_input
         #: the position the static positions buffer holds after the last replay (None: unknown)
         self._next_position: int | None = None
-        self._graph_positions: torch.Tensor | None = None
 
     def accepts(self, width: int) -> bool:
         return width == 1
@@ -74,8 +73,6 @@ class DecodeGraphs:
                 positions.add_(1)  # the next step's position, for the next replay
         self.graph = graph
         self.generation = self.session.storage.generation
-        self._graph_positions = positions
-        self._next_position = position
         self.captures += 1
 
     def run(self, inputs: Sequence[torch.Tensor | None], position: int) -> list[torch.Tensor]:
@@ -93,6 +90,6 @@ class DecodeGraphs:
         self._next_position = None  # unknown until the replay is launched
         self.graph.replay()
         self.replays += 1
-        if self._graph_positions is not None:
+        if self._positions_index is not None:
             self._next_position = position + 1
         return [out.clone() for out in self.static_outputs]
