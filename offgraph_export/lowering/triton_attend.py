@@ -69,10 +69,7 @@ from offgraph_export.errors import ExportError
 from offgraph_export.lowering.triton_base import (
     INTERPRETED as _INTERPRETED,
     TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR,
-    l2_prefetch_available,
     pow2_at_least as _pow2_at_least,
-    prefetch_l2,
-    prefetch_share_l2,
     sm_count,
     tl,
     triton,
@@ -97,9 +94,6 @@ _MIN_SPLIT_KEYS = 256
 #: The same for a one-token step (:func:`_decode_attend_kernel`): a program's loop over its keys
 #: is short, so a short history still spreads over several programs.
 _DECODE_MIN_SPLIT_KEYS = 128
-#: Whether a one-token step's programs request their K/V rows from L2 up front
-#: (:func:`offgraph_export.lowering.triton_base.prefetch_l2`), where the card has it.
-_DECODE_PREFETCH = False
 #: Query-tile height of the tiled (prefill) variant.
 _TILED_BLOCK_M = 64
 #: Keeps ``small`` in {0, 1} for any T below it: see :func:`_is_small_step`.
@@ -428,21 +422,9 @@ def _rotate_half(x, base, offs, stride, mask, cos, sin, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_positions(base, p_lo, p_hi, rows, stride_r, WRAP: tl.constexpr, PIECES: tl.constexpr):
-    """:func:`prefetch_l2` the storage rows of positions ``[p_lo, p_hi)`` (``base`` the head's
-    row 0): one contiguous range, two where a ring (``WRAP``) wraps around its last row."""
-    n = tl.maximum(p_hi - p_lo, 0)
-    r0 = _storage_row(p_lo, rows)
-    head = tl.minimum(n, rows - r0)
-    prefetch_l2(base + r0 * stride_r, base + (r0 + head) * stride_r, PIECES)
-    if WRAP:
-        prefetch_l2(base, base + (n - head) * stride_r, PIECES)
-
-
-@triton.jit
 def _decode_attend_kernel(
     q_ptr, k_ptr, v_ptr, k_store_ptr, v_store_ptr, pos_ptr, out_ptr,
-    part_acc_ptr, part_m_ptr, part_l_ptr, cos_ptr, sin_ptr, next_ptr, next_numel,
+    part_acc_ptr, part_m_ptr, part_l_ptr, cos_ptr, sin_ptr,
     sq_b, sq_h, sq_d,
     sk_b, sk_h, sk_d,
     sv_b, sv_h, sv_d,
@@ -458,7 +440,6 @@ def _decode_attend_kernel(
     HAS_WINDOW: tl.constexpr,
     QK_FP32: tl.constexpr, PV_FP32: tl.constexpr,
     ROPE: tl.constexpr,
-    PREFETCH: tl.constexpr, NEXT: tl.constexpr, PIECES: tl.constexpr,
 ):
     """Program (b * Hkv + kv head, split) of a one-token step: the row write and the attention of
     the ``GROUP`` query heads of one kv head in one launch. With ``ROPE`` the query and the new
@@ -485,16 +466,6 @@ def _decode_attend_kernel(
     chunk, n_used = _split_plan(lo, pos, num_splits, MIN_SPLIT_KEYS, BLOCK_N)
     k_lo = lo + split * chunk
     k_hi = tl.minimum(k_lo + chunk, pos)
-    k_base = k_store_ptr + b * sks_b + kvh * sks_h
-    v_base = v_store_ptr + b * svs_b + kvh * svs_h
-    if PREFETCH:
-        # Every K and V row of this split requested at once, before the loop's first load.
-        _prefetch_positions(k_base, k_lo, k_hi, rows, sks_r, HAS_WINDOW, PIECES)
-        _prefetch_positions(v_base, k_lo, k_hi, rows, svs_r, HAS_WINDOW, PIECES)
-    if NEXT:
-        # The next kernel's weight, shared out over this launch's programs.
-        prefetch_share_l2(next_ptr, next_numel, pid_bh * tl.num_programs(1) + split,
-                          tl.num_programs(0) * tl.num_programs(1), PIECES)
 
     offs_m = tl.arange(0, BLOCK_M)
     row_ok = offs_m < GROUP
@@ -512,6 +483,8 @@ def _decode_attend_kernel(
         q = _rotate_half(q, q_base, offs_d[None, :], sq_d, q_mask, cos[None, :], sin[None, :], HEAD_DIM)
     if QK_FP32:
         q = q.to(tl.float32)
+    k_base = k_store_ptr + b * sks_b + kvh * sks_h
+    v_base = v_store_ptr + b * svs_b + kvh * svs_h
 
     # Split 0: the step's own position, from k/v as the storage will hold them, and its row write,
     # before the loop, so nothing waits for the loop to issue these loads (no measurable change in
@@ -673,21 +646,14 @@ def _decode_step(q, k, v, pos, k_store, v_store, window, scale, out_dtype, out, 
     qk_scale = float(scale) * math.log2(math.e)
     wrap_triton = torch.library.wrap_triton
     cos, sin = rope if rope is not None else (pos, pos)  # unread without ROPE
-    can_prefetch = l2_prefetch_available(q.device)
-    prefetch = can_prefetch and config.get("prefetch", _DECODE_PREFETCH)
-    next_weight = config.get("next") if can_prefetch else None
     wrap_triton(_decode_attend_kernel)[(b * hkv, splits, 1)](
         q, k, v, k_store, v_store, pos, out, part_acc, part_m, part_l, cos, sin,
-        next_weight if next_weight is not None else pos,
-        next_weight.numel() if next_weight is not None else 0,
         q.stride(0), q.stride(1), q.stride(3),
         k.stride(0), k.stride(1), k.stride(3),
         v.stride(0), v.stride(1), v.stride(3),
         *k_store.stride()[:3], *v_store.stride()[:3], out.stride(0), out.stride(1),
         rows, window_arg, hkv, qk_scale, splits,
-        BLOCK_M=block_m, MIN_SPLIT_KEYS=min_split_keys, ROPE=rope is not None,
-        PREFETCH=prefetch, NEXT=next_weight is not None, PIECES=config.get("pieces", 4),
-        **common, **launch,
+        BLOCK_M=block_m, MIN_SPLIT_KEYS=min_split_keys, ROPE=rope is not None, **common, **launch,
     )
     wrap_triton(_decode_combine_kernel)[(b * hkv, group, 1)](
         pos, out, part_acc, part_m, part_l, out.stride(0), out.stride(1),

@@ -36,10 +36,7 @@ import torch
 from offgraph_export.errors import ExportError
 from offgraph_export.lowering.triton_base import (
     TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR,
-    l2_prefetch_available,
     pow2_at_least as _pow2_at_least,
-    prefetch_l2,
-    prefetch_share_l2,
     sm_count,
     tl,
     triton,
@@ -87,10 +84,8 @@ def _rms_normed(x, scale, rstd, dt: tl.constexpr):
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, N, K, stride_wn, gate_offset, up_offset, eps,
-    next_ptr, next_numel,
     NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr, NEXT: tl.constexpr,
 ):
     """Program p: output features ``[p * BLOCK_N, (p + 1) * BLOCK_N)``, each the dot product of
     one contiguous weight row (two when GATED) with ``x``, read ``BLOCK_K`` columns at a time.
@@ -99,8 +94,6 @@ def _gemv_kernel(
     dt = out_ptr.dtype.element_ty
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    if PREFETCH:
-        _prefetch_rows(w_ptr, pid * BLOCK_N, N, stride_wn, gate_offset, up_offset, BLOCK_N, GATED)
     if NORM:
         squares = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -133,20 +126,6 @@ def _gemv_kernel(
     if GATED:
         up = tl.sum(acc_up, axis=1)
     _finish(proj, up, out_ptr, res_ptr, rows, row_ok, GATED, RESIDUAL)
-    if NEXT:
-        prefetch_share_l2(next_ptr, next_numel, pid, tl.num_programs(0), 1)
-
-
-@triton.jit
-def _prefetch_rows(w_ptr, first, N, stride_wn, gate_offset, up_offset, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
-    """:func:`prefetch_l2` the weight rows of output features ``[first, first + BLOCK_N)``
-    (clipped to ``N``), the up rows too when ``GATED``."""
-    last = tl.minimum(first + BLOCK_N, N)
-    start = w_ptr + (first + gate_offset).to(tl.int64) * stride_wn
-    prefetch_l2(start, start + tl.maximum(last - first, 0).to(tl.int64) * stride_wn, 1)
-    if GATED:
-        start = w_ptr + (first + up_offset).to(tl.int64) * stride_wn
-        prefetch_l2(start, start + tl.maximum(last - first, 0).to(tl.int64) * stride_wn, 1)
 
 
 @triton.jit
@@ -168,10 +147,8 @@ def _finish(proj, up, out_ptr, res_ptr, rows, row_ok, GATED: tl.constexpr, RESID
 @triton.jit
 def _gemv_tiles_kernel(
     x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, N, K, stride_wn, gate_offset, up_offset, eps,
-    next_ptr, next_numel,
     NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    AHEAD: tl.constexpr, NEXT: tl.constexpr,
 ):
     """Persistent variant for rows that fit one block (``K <= BLOCK_K``): program p prepares
     ``x`` once (the RMSNorm prologue included), then walks the row tiles ``p, p + P, ...`` (P
@@ -190,13 +167,7 @@ def _gemv_tiles_kernel(
         scale = tl.load(norm_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         x = _rms_normed(x, scale, rstd, dt)
     xf = x.to(tl.float32)[None, :]
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    if AHEAD > 0:
-        for ahead in range(0, AHEAD):
-            _prefetch_rows(w_ptr, (pid + ahead * programs) * BLOCK_N, N, stride_wn, gate_offset, up_offset, BLOCK_N, GATED)
-    for tile in tl.range(pid, n_tiles, programs, num_stages=NUM_STAGES):
-        if AHEAD > 0:
-            _prefetch_rows(w_ptr, (tile + AHEAD * programs) * BLOCK_N, N, stride_wn, gate_offset, up_offset, BLOCK_N, GATED)
+    for tile in tl.range(pid, tl.cdiv(N, BLOCK_N), programs, num_stages=NUM_STAGES):
         rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         mask = row_ok[:, None] & col_ok[None, :]
@@ -207,8 +178,6 @@ def _gemv_tiles_kernel(
             w_up = tl.load(w_ptr + ((rows + up_offset).to(tl.int64) * stride_wn)[:, None] + cols[None, :], mask=mask, other=0.0)
             up = tl.sum(w_up.to(tl.float32) * xf, axis=1)
         _finish(proj, up, out_ptr, res_ptr, rows, row_ok, GATED, RESIDUAL)
-    if NEXT:
-        prefetch_share_l2(next_ptr, next_numel, pid, programs, 1)
 
 
 def gemv_applies(x_shape, w_shape, gated: bool = False) -> bool:
@@ -261,25 +230,17 @@ def gemv_launch(x, w, norm_weight=None, eps=0.0, residual=None, gated=False, gat
     if not gated:
         gate_offset = up_offset = 0
     config = config or _config(k, gated)
-    can_prefetch = l2_prefetch_available(x.device)
-    next_weight = config.get("next") if can_prefetch else None
-    args = (flat, w, out, norm, res, n_out, k, w.stride(0), gate_offset, up_offset, eps,
-            next_weight if next_weight is not None else w,
-            next_weight.numel() if next_weight is not None else 0)
+    args = (flat, w, out, norm, res, n_out, k, w.stride(0), gate_offset, up_offset, eps)
     flags = dict(NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None,
-                 BLOCK_N=config["BLOCK_N"], num_warps=config["num_warps"],
-                 NEXT=next_weight is not None)
+                 BLOCK_N=config["BLOCK_N"], num_warps=config["num_warps"])
     tiles = triton.cdiv(n_out, config["BLOCK_N"])
     if config["kernel"] == "tiles":
         programs = min(tiles, config["per_sm"] * sm_count(x.device))
         torch.library.wrap_triton(_gemv_tiles_kernel)[(programs, 1, 1)](
-            *args, BLOCK_K=_pow2_at_least(k), NUM_STAGES=config["num_stages"],
-            AHEAD=config.get("ahead", 0) if can_prefetch else 0, **flags,
+            *args, BLOCK_K=_pow2_at_least(k), NUM_STAGES=config["num_stages"], **flags,
         )
     else:
-        torch.library.wrap_triton(_gemv_kernel)[(tiles, 1, 1)](
-            *args, BLOCK_K=config["BLOCK_K"], PREFETCH=can_prefetch and config.get("prefetch", False), **flags,
-        )
+        torch.library.wrap_triton(_gemv_kernel)[(tiles, 1, 1)](*args, BLOCK_K=config["BLOCK_K"], **flags)
     return out
 
 
