@@ -301,6 +301,11 @@ def test_closed_session_refuses_and_releases_storage(loaded_example, example_bun
     )
 
 
+def test_cuda_graphs_on_a_cpu_artifact_are_refused(loaded_example):
+    with pytest.raises(StepRefused, match="CUDA graphs need a cuda artifact"):
+        loaded_example.new_session(cuda_graphs=True)
+
+
 def test_generate_matches_eager_greedy(loaded_example, example_bundle):
     prompt = tokens_for(13, 40)[0].tolist()  # longer than max_write: prefilled in two chunks
     new = 30

@@ -20,27 +20,41 @@ The artifact must be loaded with ``single_threaded=True`` (AOTInductor's captura
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from offgraph_export.errors import StepRefused
+from offgraph_export.runtime.artifact import Artifact
+from offgraph_export.runtime.storage import SessionStorage
 
 __all__ = ["DecodeGraphs"]
 
 
 class DecodeGraphs:
-    def __init__(self, session) -> None:
-        if session.artifact.device.type != "cuda":
+    """The captured decode step of one session. ``positions_index``: which input carries the
+    positions (None: none does); ``positions_shape``: the shape of runtime-supplied positions of a
+    given width (``InputValues.positions_shape``), asked for where a step's positions are None."""
+
+    def __init__(
+        self,
+        artifact: Artifact,
+        storage: SessionStorage,
+        positions_index: int | None,
+        positions_shape: Callable[[int], list[int]],
+    ) -> None:
+        if artifact.device.type != "cuda":
             raise StepRefused("CUDA graphs need a cuda artifact")
-        self.session = session
+        self.artifact = artifact
+        self.storage = storage
         self.graph: torch.cuda.CUDAGraph | None = None
         self.generation = -1
         self.static_inputs: list[torch.Tensor] = []
         self.static_outputs: list[torch.Tensor] = []
         self.captures = 0
         self.replays = 0
-        self._positions_index = session.specs.positions_input
+        self._positions_index = positions_index
+        self._positions_shape = positions_shape
         #: the position the static positions buffer holds after the last replay (None: unknown)
         self._next_position: int | None = None
 
@@ -49,13 +63,12 @@ class DecodeGraphs:
 
     def _static_input(self, x: torch.Tensor | None, position: int) -> torch.Tensor:
         if x is None:  # the runtime's position, which the graph keeps and advances itself
-            shape = self.session._values.positions_shape(1)  # noqa: SLF001 (same package)
-            return torch.full(shape, position, dtype=torch.int64, device=self.session.artifact.device)
+            return torch.full(self._positions_shape(1), position, dtype=torch.int64, device=self.artifact.device)
         return x.clone()
 
     def _capture(self, inputs: Sequence[torch.Tensor | None], position: int) -> None:
-        artifact = self.session.artifact
-        storage = list(self.session.storage.bound())
+        artifact = self.artifact
+        storage = list(self.storage.bound())
         self.static_inputs = [self._static_input(x, position) for x in inputs]
         index = self._positions_index
         positions = self.static_inputs[index] if index is not None and inputs[index] is None else None
@@ -72,13 +85,13 @@ class DecodeGraphs:
             if positions is not None:
                 positions.add_(1)  # the next step's position, for the next replay
         self.graph = graph
-        self.generation = self.session.storage.generation
+        self.generation = self.storage.generation
         self.captures += 1
 
     def run(self, inputs: Sequence[torch.Tensor | None], position: int) -> list[torch.Tensor]:
         """Replay the step at ``position`` (the session's length) on ``inputs``; ``None`` in place of
         positions the graph supplies."""
-        if self.graph is None or self.session.storage.generation != self.generation:
+        if self.graph is None or self.storage.generation != self.generation:
             self._capture(inputs, position)
         else:
             for static, x in zip(self.static_inputs, inputs):

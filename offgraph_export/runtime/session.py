@@ -84,7 +84,9 @@ class Session:
         if cuda_graphs:
             from offgraph_export.runtime.cuda_graph import DecodeGraphs
 
-            self._graphs = DecodeGraphs(self)
+            self._graphs = DecodeGraphs(
+                artifact, self.storage, self.specs.positions_input, self._values.positions_shape
+            )
 
     # -- the step -------------------------------------------------------------------------------
     def prepare(self, inputs: Sequence[torch.Tensor | None]) -> PreparedStep:
