@@ -216,6 +216,19 @@ def test_admission_memo_rechecks_what_changes(loaded_example):
         admit((tok(1), pos(0, 1, torch.int32)), 0)
     assert admit((tok(4), None), 0) == 4  # positions the session supplies
     assert admit((tok(1), pos(3, 1)), 3) == 1
+    with pytest.raises(StepRefused, match="input 0 .* must be a dense \\(strided\\) tensor, got layout torch.sparse_coo"):
+        admit((tok(1).to_sparse(), pos(3, 1)), 3)  # same shape and dtype, another layout
+
+
+def test_admission_checks_the_device_index_when_given(loaded_example):
+    """With the artifact's device, an input on another device of the same type is refused (on a
+    cpu machine only the message can be seen, with a device the inputs are not on)."""
+    from offgraph_export.runtime.admission import Admission
+
+    assert Admission(loaded_example.specs, torch.device("cpu"))((tok(1), pos(0, 1)), 0) == 1
+    with pytest.raises(StepRefused, match="input 0 .* must be on meta, got cpu"):
+        admit_step(loaded_example.specs.model_copy(update={"device": "cpu"}), (tok(1), pos(0, 1)), 0,
+                   torch.device("meta"))
 
 
 def test_positions_may_be_left_to_the_session(loaded_example, example_bundle):

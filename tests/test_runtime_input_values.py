@@ -158,6 +158,10 @@ def test_cuda_graph_keeps_the_position_itself(cuda_example):
     for start in range(3):  # after a reset the position starts over (written from the host)
         want = plain.step(tokens[:, start : start + 1], None)[0]
         assert torch.equal(graphed.step(tokens[:, start : start + 1], None)[0], want)
+    graphed.close()  # the graph goes, its counts stay
+    assert (graphed.metrics().graph_captures, graphed.metrics().graph_replays) == (3, schedule.count(1) + 3)
+    with pytest.raises(StepRefused, match="loaded for capture: load_artifact\\(path, single_threaded=True\\)"):
+        artifact.new_session(cuda_graphs=True)  # not loaded with the capturable runner
 
 
 @pytest.mark.cuda

@@ -185,6 +185,11 @@ def test_growth_failure_in_session_refuses_and_keeps_cache(loaded_example, examp
 
 
 def test_reset_keeps_storage_and_forgets_history(loaded_example, example_bundle):
+    poisoned = loaded_example.new_session(poison=True)
+    run_solo(poisoned, example_bundle, tokens_for(6, 40), [32, 8])  # the ring wraps
+    poisoned.reset()  # in check mode every row, flat and ring, is NaN again
+    assert all(t.isnan().all() for t in poisoned.storage.bound())
+
     session = loaded_example.new_session()
     first = tokens_for(7, 60)
     run_solo(session, example_bundle, first, [32, 28])  # grows to 64; the ring wraps
@@ -299,6 +304,37 @@ def test_closed_session_refuses_and_releases_storage(loaded_example, example_bun
     torch.testing.assert_close(
         other.step(*example_bundle.make_inputs(tokens, 0))[0], oracle.step(tokens), atol=ATOL, rtol=RTOL
     )
+
+
+def test_a_step_prepared_before_the_session_moved_on_is_refused(loaded_example, example_bundle):
+    """A PreparedStep runs and commits only in the session state it was admitted in: after
+    another step's commit, a reset or a close it is refused (nothing runs, nothing is committed),
+    and another session refuses it too; running it again after its own failure is allowed."""
+    session, other = loaded_example.new_session(), loaded_example.new_session()
+    tokens = tokens_for(21, 8)
+    session.step(*example_bundle.make_inputs(tokens[:, :4], 0))
+    first = session.prepare(example_bundle.make_inputs(tokens[:, 4:5], 4))
+    second = session.prepare(example_bundle.make_inputs(tokens[:, 4:5], 4))
+    session.run(first)
+    session.run(first)  # running again before the commit (a retry) is allowed
+    session.commit(first)
+    for action in (session.run, session.commit):
+        with pytest.raises(StepRefused, match="prepared at length 4: the session has moved on .*length is 5"):
+            action(second)
+    with pytest.raises(StepRefused, match="moved on"):
+        other.run(session.prepare(example_bundle.make_inputs(tokens[:, 5:6], 5)))
+    stale = session.prepare(example_bundle.make_inputs(tokens[:, 5:6], 5))
+    session.reset()
+    with pytest.raises(StepRefused, match="prepared at length 5: the session has moved on .*length is 0"):
+        session.run(stale)
+    assert session.committed_length == 0 and other.committed_length == 0
+    pending = session.prepare(example_bundle.make_inputs(tokens[:, :2], 0))
+    session.close()
+    for action in (session.run, session.commit):
+        with pytest.raises(StepRefused, match="closed"):
+            action(pending)
+    m = session.metrics()
+    assert (m.committed_length, m.steps, m.refused_steps) == (0, 2, 5)
 
 
 def test_cuda_graphs_on_a_cpu_artifact_are_refused(loaded_example):

@@ -33,14 +33,17 @@ def positions_suppliable(specs: ArtifactSpecs) -> bool:
     return all(isinstance(d, int) or d == specs.width_symbol for d in specs.inputs[index].shape)
 
 
-def admit_step(specs: ArtifactSpecs, inputs: Sequence[object], committed_length: int) -> int:
-    """Validate a step's model inputs; return its width (tokens written)."""
-    return admit_length(specs, admit_shapes(specs, inputs), committed_length)
+def admit_step(
+    specs: ArtifactSpecs, inputs: Sequence[object], committed_length: int, device: torch.device | None = None
+) -> int:
+    """Validate a step's model inputs; return its width (tokens written). ``device``: the
+    artifact's device with its index (``cuda:0``); without it only the device type is checked."""
+    return admit_length(specs, admit_shapes(specs, inputs, device), committed_length)
 
 
-def admit_shapes(specs: ArtifactSpecs, inputs: Sequence[object]) -> int:
-    """The checks that depend on the inputs' types, dtypes, devices and shapes alone; returns the
-    width (tokens written), checked against ``max_write``."""
+def admit_shapes(specs: ArtifactSpecs, inputs: Sequence[object], device: torch.device | None = None) -> int:
+    """The checks that depend on the inputs' types, layouts, dtypes, devices and shapes alone;
+    returns the width (tokens written), checked against ``max_write``."""
     expected = specs.inputs
     names = [s.name for s in expected]
     if len(inputs) != len(expected):
@@ -58,8 +61,10 @@ def admit_shapes(specs: ArtifactSpecs, inputs: Sequence[object]) -> int:
             raise StepRefused(f"{label} must be a tensor, got {type(x).__name__}")
         if x.dtype != getattr(torch, spec.dtype):
             raise StepRefused(f"{label} must be {spec.dtype}, got {x.dtype}")
-        if x.device.type != specs.device:
-            raise StepRefused(f"{label} must be on {specs.device}, got {x.device}")
+        if x.layout != torch.strided:
+            raise StepRefused(f"{label} must be a dense (strided) tensor, got layout {x.layout}")
+        if x.device.type != specs.device or (device is not None and x.device != device):
+            raise StepRefused(f"{label} must be on {device or specs.device}, got {x.device}")
         if x.dim() != len(spec.shape):
             raise StepRefused(
                 f"{label} must have rank {len(spec.shape)} (shape {spec.shape}), got shape "
@@ -107,7 +112,7 @@ def _signature(inputs: Sequence[object]) -> tuple | None:
     sig = []
     for x in inputs:
         if isinstance(x, torch.Tensor):
-            sig.append((x.dtype, x.device, x.shape))
+            sig.append((x.layout, x.dtype, x.device, x.shape))
         elif x is None:
             sig.append(None)
         else:
@@ -116,17 +121,19 @@ def _signature(inputs: Sequence[object]) -> tuple | None:
 
 
 class Admission:
-    """:func:`admit_step` for one session, remembering the last admitted input signature (dtypes,
-    devices, shapes): the per-input checks run once per signature, the length check every step."""
+    """:func:`admit_step` for one session, remembering the last admitted input signature
+    (layouts, dtypes, devices, shapes): the per-input checks run once per signature, the length
+    check every step."""
 
-    def __init__(self, specs: ArtifactSpecs) -> None:
+    def __init__(self, specs: ArtifactSpecs, device: torch.device | None = None) -> None:
         self.specs = specs
+        self.device = device
         self._signature: tuple | None = None
         self._width = 0
 
     def __call__(self, inputs: Sequence[object], committed_length: int) -> int:
         signature = _signature(inputs)
         if signature is None or signature != self._signature:
-            width = admit_shapes(self.specs, inputs)
+            width = admit_shapes(self.specs, inputs, self.device)
             self._signature, self._width = signature, width
         return admit_length(self.specs, self._width, committed_length)

@@ -33,24 +33,38 @@ from offgraph_export.specs.step_width import STEP_WIDTH_KEY, parse_step_width
 __all__ = ["Artifact"]
 
 
+def _current_device(kind: str) -> torch.device:
+    """``kind`` ("cpu" or "cuda") with the index of the current device, as tensors report it."""
+    return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
+
+
 class Artifact:
     """A loaded program (one compiled method per entry of ``specs.methods``) and its specs. One
     artifact serves many sessions (weights loaded once)."""
 
-    def __init__(self, path: Path, specs: ArtifactSpecs, methods: dict[str, object]) -> None:
+    def __init__(
+        self,
+        path: Path,
+        specs: ArtifactSpecs,
+        methods: dict[str, object],
+        single_threaded: bool = False,
+        device: torch.device | None = None,
+    ) -> None:
         self.path = path
         self.specs = specs
         self.methods = methods
+        #: loaded with AOTInductor's capturable (single-threaded) runner: CUDA graphs may capture it
+        self.single_threaded = single_threaded
+        self._device = device if device is not None else _current_device(specs.device)
         self.compiled = methods[STEP_METHOD]
         # loader.run: no pytree work per call
         self._runs = {name: m.loader.run for name, m in methods.items()}  # type: ignore[attr-defined]
 
     @property
     def device(self) -> torch.device:
-        """The device the program runs on, with its index (``cuda:0``, as tensors report it)."""
-        if self.specs.device == "cuda":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device(self.specs.device)
+        """The device the program runs on, with its index (``cuda:0``, as tensors report it): the
+        one its weights were loaded on, whatever device is current later."""
+        return self._device
 
     @classmethod
     def load(cls, path: str | os.PathLike, single_threaded: bool = False) -> "Artifact":
@@ -68,7 +82,7 @@ class Artifact:
             raise ArtifactError(f"cannot load the compiled program in {path}: {exc}") from exc
         for method in specs.methods:
             cls._cross_check(path, specs, runners[method], method)
-        device = torch.device("cuda", torch.cuda.current_device()) if specs.device == "cuda" else torch.device("cpu")
+        device = _current_device(specs.device)
         weights = load_method_weights(path, specs.methods, device)
         for method in specs.methods:
             check_constants(weights[method], runners[method].get_metadata()[CONSTANTS_KEY], method, str(path))
@@ -76,7 +90,7 @@ class Artifact:
                 runners[method].load_constants(weights[method], check_full_update=True, user_managed=True)
             except Exception as exc:  # C++ errors: a missing or mis-shaped constant
                 raise ArtifactError(f"{path}: the weights do not fit method {method!r}: {exc}") from exc
-        return cls(path, specs, {m: runners[m] for m in specs.methods})
+        return cls(path, specs, {m: runners[m] for m in specs.methods}, single_threaded, device)
 
     @staticmethod
     def _cross_check(path: Path, specs: ArtifactSpecs, compiled: object, method: str) -> None:

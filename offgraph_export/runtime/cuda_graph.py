@@ -45,6 +45,10 @@ class DecodeGraphs:
     ) -> None:
         if artifact.device.type != "cuda":
             raise StepRefused("CUDA graphs need a cuda artifact")
+        if not getattr(artifact, "single_threaded", False):
+            raise StepRefused(
+                "CUDA graphs need the artifact loaded for capture: load_artifact(path, single_threaded=True)"
+            )
         self.artifact = artifact
         self.storage = storage
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -91,16 +95,17 @@ class DecodeGraphs:
     def run(self, inputs: Sequence[torch.Tensor | None], position: int) -> list[torch.Tensor]:
         """Replay the step at ``position`` (the session's length) on ``inputs``; ``None`` in place of
         positions the graph supplies."""
+        known = self._next_position
+        self._next_position = None  # unknown until the replay is launched (a copy may raise)
         if self.graph is None or self.storage.generation != self.generation:
             self._capture(inputs, position)
         else:
             for static, x in zip(self.static_inputs, inputs):
                 if x is not None:
                     static.copy_(x)
-                elif position != self._next_position:
+                elif position != known:
                     static.fill_(position)
         assert self.graph is not None
-        self._next_position = None  # unknown until the replay is launched
         self.graph.replay()
         self.replays += 1
         if self._positions_index is not None:

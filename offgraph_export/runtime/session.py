@@ -44,10 +44,14 @@ def _dense(x: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class PreparedStep:
     """An admitted step: its width and the inputs the program runs on (dense, positions owned
-    by the runtime; ``None`` in place of positions a captured CUDA graph supplies itself)."""
+    by the runtime; ``None`` in place of positions a captured CUDA graph supplies itself), and the
+    session state it was admitted against (``length``, ``epoch``): it may run and commit only
+    while the session is still there (no commit, reset or close since)."""
 
     width: int
     inputs: list[torch.Tensor]
+    length: int
+    epoch: tuple[int, int]
 
 
 class SessionMetrics(BaseModel):
@@ -75,12 +79,16 @@ class Session:
         self.artifact = artifact
         self.specs = artifact.specs
         self.storage = SessionStorage(self.specs.manifest, artifact.device, allocator, poison)
-        self._admit = Admission(self.specs)
+        self._admit = Admission(self.specs, artifact.device)
         self._values = InputValues(self.specs, artifact.device)
         self.committed_length = 0
         self.closed = False
         self._steps = self._failed = self._refused = self._decode_steps = 0
+        #: advanced by every commit, reset and close: a PreparedStep runs only in the epoch it was
+        #: admitted in (with the session's id, so another session's step is refused too)
+        self._epoch = 0
         self._graphs = None
+        self._graph_counts = (0, 0)
         if cuda_graphs:
             from offgraph_export.runtime.cuda_graph import DecodeGraphs
 
@@ -109,15 +117,39 @@ class Session:
             raise StepRefused(
                 f"could not grow storage to {self.committed_length + width} tokens (cache unchanged): {exc}"
             ) from exc
-        return PreparedStep(width, [x if x is None else _dense(x) for x in owned])
+        return PreparedStep(
+            width, [x if x is None else _dense(x) for x in owned], self.committed_length, self._epoch_key()
+        )
+
+    def _epoch_key(self) -> tuple[int, int]:
+        return (id(self), self._epoch)
+
+    def _check_current(self, step: PreparedStep, action: str) -> None:
+        """Refuse to run or commit a step admitted against another state of this session (or
+        another session): its positions and storage rows would no longer be the session's."""
+        if self.closed:
+            self._refused += 1
+            raise StepRefused("this session is closed; open a new one with artifact.new_session()")
+        if step.epoch != self._epoch_key():
+            self._refused += 1
+            raise StepRefused(
+                f"cannot {action} a step prepared at length {step.length}: the session has moved on "
+                f"(a commit, reset or another session since; its length is {self.committed_length}); "
+                "prepare the step again"
+            )
 
     def run(self, step: PreparedStep) -> list[torch.Tensor]:
-        """Launch the compiled program on prepared storage (no commit)."""
+        """Launch the compiled program on prepared storage (no commit). Refused (StepRefused) for a
+        step prepared before the session's last commit, reset or close."""
+        self._check_current(step, "run")
         if self._graphs is not None and self._graphs.accepts(step.width):
             return self._graphs.run(step.inputs, self.committed_length)
         return self.artifact.run([*step.inputs, *self.storage.bound()], width=step.width)
 
     def commit(self, step: PreparedStep) -> None:
+        """Advance the session by the step's width (after a successful run)."""
+        self._check_current(step, "commit")
+        self._epoch += 1
         self.committed_length += step.width
         self._steps += 1
         if self.artifact.method_for(step.width) == DECODE_METHOD:
@@ -142,13 +174,17 @@ class Session:
         """Forget the history; storage (and its capacity) is kept for reuse."""
         if self.closed:
             raise StepRefused("this session is closed; open a new one with artifact.new_session()")
+        self._epoch += 1
         self.committed_length = 0
         if self.storage.poison:
             self.storage.poison_from(0)
 
     def close(self) -> None:
+        self._epoch += 1
         self.closed = True
         self.storage.release()
+        if self._graphs is not None:  # the graph goes; its counts stay for metrics()
+            self._graph_counts = (self._graphs.captures, self._graphs.replays)
         self._graphs = None
 
     def metrics(self) -> SessionMetrics:
@@ -160,7 +196,7 @@ class Session:
             steps=self._steps,
             failed_steps=self._failed,
             refused_steps=self._refused,
-            graph_captures=self._graphs.captures if self._graphs else 0,
-            graph_replays=self._graphs.replays if self._graphs else 0,
+            graph_captures=self._graphs.captures if self._graphs else self._graph_counts[0],
+            graph_replays=self._graphs.replays if self._graphs else self._graph_counts[1],
             decode_method_steps=self._decode_steps,
         )

@@ -124,7 +124,10 @@ class SessionStorage:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def poison_from(self, committed_length: int) -> None:
-        """Fill flat rows ``[committed_length, capacity)`` with NaN (check mode)."""
+        """Fill the rows no committed position holds with NaN (check mode): flat rows
+        ``[committed_length, capacity)``, and every ring row when nothing is committed (a reset)."""
         for key, storage in zip(self._keys, self._inputs):
             if self._grows(storage):
                 self.tensors[key][:, :, committed_length:].fill_(float("nan"))
+            elif committed_length == 0:
+                self.tensors[key].fill_(float("nan"))
