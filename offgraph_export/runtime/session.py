@@ -11,6 +11,7 @@ length, are masked by the next step's positions and overwritten by it.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -68,6 +69,9 @@ class SessionMetrics(BaseModel):
     decode_method_steps: int = 0
 
 
+_SESSION_SERIALS = itertools.count()
+
+
 class Session:
     def __init__(
         self,
@@ -85,8 +89,9 @@ class Session:
         self.closed = False
         self._steps = self._failed = self._refused = self._decode_steps = 0
         #: advanced by every commit, reset and close: a PreparedStep runs only in the epoch it was
-        #: admitted in (with the session's id, so another session's step is refused too)
+        #: admitted in, of the session it was admitted by (serial numbers are never reused)
         self._epoch = 0
+        self._serial = next(_SESSION_SERIALS)
         self._graphs = None
         self._graph_counts = (0, 0)
         if cuda_graphs:
@@ -122,7 +127,7 @@ class Session:
         )
 
     def _epoch_key(self) -> tuple[int, int]:
-        return (id(self), self._epoch)
+        return (self._serial, self._epoch)
 
     def _check_current(self, step: PreparedStep, action: str) -> None:
         """Refuse to run or commit a step admitted against another state of this session (or
