@@ -150,6 +150,27 @@ def test_decode_gemv_rewrites_the_one_row_projections_of_the_decode_method():
     assert not decode_gemv(stripped, device_types=("cpu",)).modified
 
 
+def test_decode_gemv_keeps_the_signature_when_the_folded_node_is_the_output():
+    """A residual add that is the program's output becomes the GEMV node: the graph signature
+    names that node afterwards (replacing uses alone left it naming the removed add)."""
+    from offgraph_export.passes.decode_gemv import decode_gemv
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(48, 64))
+
+        def forward(self, x, r):
+            return torch.nn.functional.linear(x, self.w) + r
+
+    ep = torch.export.export(Head().requires_grad_(False), (torch.randn(1, 1, 64), torch.randn(1, 1, 48)))
+    result = decode_gemv(ep, device_types=("cpu",))
+    assert result.produced.residuals == 1
+    ep.validate()
+    (out,) = ep.graph_signature.user_outputs
+    assert out == next(n for n in ep.graph.nodes if n.op == "output").args[0][0].name
+
+
 def test_decode_rope_folds_llama_rotary_embedding_into_the_attention_call(tmp_path):
     """transformers' Llama: each layer's rotary embedding of q and k goes into its one-token
     attention call (the call takes the unrotated q and k and the step's cos/sin rows) and the

@@ -97,6 +97,62 @@ def test_biases_fused_with_their_weights_and_mixed_groups_left_alone():
     torch.testing.assert_close(_eager(result.program, config, [0], steps), _eager(ep, config, [0], steps), atol=1e-6, rtol=1e-6)
 
 
+class _WriteBetween(nn.Module):
+    """``a`` reads h before an in-place write through a view of h, ``b`` and q/k/v after it: the
+    traced graph keeps one node for h, so all five linears name the same input."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.attn = tm.Attn(0)
+        self.a = nn.Linear(32, 32, bias=False)
+        self.b = nn.Linear(32, 32, bias=False)
+
+    def forward(self, x, position):
+        h = x * 1.0
+        y1 = self.a(h)
+        h[..., :8].mul_(2.0)
+        y2 = self.b(h)
+        return self.attn(h, position) + y1 + y2
+
+
+def test_linears_on_both_sides_of_a_write_are_not_fused_together():
+    model = _WriteBetween().eval()
+    inputs = (torch.randn(1, 5, 32), torch.arange(5))
+    ep = tm.export(model, inputs, (1, 0))
+    h = _linears(ep)[0].args[0]
+    assert sum(n.args[0] is h for n in _linears(ep)) == 5  # one input node for all five
+    result = fuse_projections(ep, inputs)
+    assert result.produced == [["b.weight", "attn.q.weight", "attn.k.weight", "attn.v.weight"]]
+    config = CacheConfig(max_capacity=64, initial_capacity=8, max_write=16)
+    xs = torch.randn(1, 9, 32)
+    steps = [(xs[:, a:b], torch.arange(a, b)) for a, b in [(0, 4), (4, 5), (5, 9)]]
+    torch.testing.assert_close(_eager(result.program, config, [0], steps), _eager(ep, config, [0], steps), atol=0, rtol=0)
+
+
+class _BroadcastBias(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.attn = tm.Attn(0)
+        self.a, self.b = nn.Parameter(torch.randn(8, 32)), nn.Parameter(torch.randn(8, 32))
+        self.bias_a, self.bias_b = nn.Parameter(torch.randn(1)), nn.Parameter(torch.randn(1))
+
+    def forward(self, x, position):
+        linear = torch.nn.functional.linear
+        return self.attn(x * 1.0, position)[..., :8] + linear(x, self.a, self.bias_a) + linear(x, self.b, self.bias_b)
+
+
+def test_siblings_with_broadcasting_biases_are_left_unfused():
+    """A bias of shape (1,) broadcasts in eager; concatenated it would not: the group is skipped
+    (it made the re-trace fail, so a valid model did not export)."""
+    model = _BroadcastBias().eval()
+    inputs = (torch.randn(1, 5, 32), torch.arange(5))
+    result = fuse_projections(tm.export(model, inputs, (1, 0)), inputs)
+    assert result.produced == [["attn.q.weight", "attn.k.weight", "attn.v.weight"]]
+    assert {"a", "b", "bias_a", "bias_b"} <= dict(result.program.named_parameters()).keys()
+
+
 class _SharedWeight(nn.Module):
     def __init__(self):
         super().__init__()
@@ -112,14 +168,14 @@ def test_nothing_to_fuse_leaves_the_program_alone():
     model = _SharedWeight().eval()
     inputs = (torch.randn(1, 5, 32), torch.arange(5))
     ep = tm.export(model, inputs, (1, 0))
-    ep_q_only = tm.export(tm.Stack(1, hq=4, hkv=2), inputs, (1, 0))
+    ep_stack = tm.export(tm.Stack(1, hq=4, hkv=2), inputs, (1, 0))
     result = fuse_projections(ep, inputs)
     assert result.produced == [["attn.q.weight", "attn.k.weight", "attn.v.weight"]]  # not proj twice
     lone = nn.Linear(32, 32)
     plain = torch.export.export(lone, (torch.randn(2, 32),))
     untouched = fuse_projections(plain, (torch.randn(2, 32),))
     assert untouched.program is plain and not untouched.modified and untouched.produced == []
-    assert fuse_projections(ep_q_only, inputs).modified
+    assert fuse_projections(ep_stack, inputs).modified
 
 
 @pytest.mark.slow

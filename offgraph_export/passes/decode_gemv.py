@@ -40,7 +40,7 @@ import torch
 from torch.export import ExportedProgram
 
 from offgraph_export.passes.graph_utils import (
-    binary_operands, drop_dead, is_call, no_write_between, only_user, tensor_value, users,
+    binary_operands, drop_dead, is_call, no_write_between, only_user, replace_node, tensor_value, users,
 )
 from offgraph_export.passes.result import PassResult
 
@@ -280,7 +280,7 @@ def decode_gemv(ep: ExportedProgram, device_types: tuple[str, ...] = ("cuda",)) 
         with graph.inserting_before(site.last):
             node = graph.call_function(gemv, args)
         node.meta = dict(site.last.meta)
-        site.last.replace_all_uses_with(node)
+        replace_node(ep, site.last, node)
         replaced[site.last] = node
     if sites:
         drop_dead(graph)

@@ -8,9 +8,12 @@ gate and up projections of a SwiGLU MLP: one GEMM each reads the same bytes in f
 launches. This holds for any model whose projections are ``aten.linear`` over parameters; nothing
 here knows attention or MLP layouts.
 
-A group is every ``aten.linear(x, W_i[, b_i])`` with the same ``x``, where the ``W_i`` are distinct
-parameters or buffers of one dtype and device with the same number of input features, and either
-all or none have a bias (each bias a distinct parameter). The fused weight (and bias) is a new
+A group is every ``aten.linear(x, W_i[, b_i])`` with the same ``x`` and no node between the first
+and the last that may write memory (a write through a view of ``x`` leaves its node in place, so
+linears on both sides of it read different values: the group is cut there), where the ``W_i`` are
+distinct parameters or buffers of one dtype and device with the same number of input features, and
+either all or none have a bias (each a distinct parameter of shape ``(out_features,)`` in the
+weights' dtype and device; a broadcasting bias leaves the group unfused). The fused weight (and bias) is a new
 parameter that does not require grad; the originals are removed when nothing else reads them.
 The rewritten module is re-traced with ``torch.export`` and the program's own dynamic shapes, so the
 graph signature is export's own.
@@ -26,7 +29,7 @@ from torch import fx
 from torch.export import ExportedProgram
 
 from offgraph_export.errors import ExportError
-from offgraph_export.passes.graph_utils import input_dynamic_shapes
+from offgraph_export.passes.graph_utils import input_dynamic_shapes, no_write_between
 from offgraph_export.passes.result import PassResult
 
 __all__ = ["fuse_projections"]
@@ -45,29 +48,56 @@ def _attr(gm: torch.nn.Module, node: object) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) else None
 
 
+def _bias(node: fx.Node) -> object:
+    return node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+
+
+def _runs(linears: list[fx.Node]) -> list[list[fx.Node]]:
+    """``linears`` (one activation's readers, in graph order) cut where a node between them may
+    write memory: a write through a view of the activation does not rebind its node, so a linear
+    after it reads other values than one before it, and one GEMM placed before the first would
+    read the old ones for all."""
+    runs = [[linears[0]]]
+    for node in linears[1:]:
+        if no_write_between(runs[-1][0], node):
+            runs[-1].append(node)
+        else:
+            runs.append([node])
+    return runs
+
+
+def _fusable(gm: fx.GraphModule, linears: list[fx.Node]) -> bool:
+    """Distinct 2-D weights of one dtype, device and input width; biases all absent, or all
+    distinct parameters of shape ``(out_features,)`` in the weights' dtype and device (what
+    concatenation keeps exact)."""
+    weights = [_attr(gm, n.args[1]) for n in linears]
+    if len(linears) < 2 or any(w is None or w.dim() != 2 for w in weights):
+        return False
+    first = weights[0]
+    if not all(w.shape[1] == first.shape[1] and w.dtype == first.dtype and w.device == first.device for w in weights):
+        return False
+    targets = [n.args[1].target for n in linears]
+    if len(set(targets)) != len(targets):
+        return False
+    bias_nodes = [_bias(n) for n in linears]
+    if all(b is None for b in bias_nodes):
+        return True
+    biases = [_attr(gm, b) for b in bias_nodes]
+    if any(b is None for b in biases) or len({b.target for b in bias_nodes}) != len(bias_nodes):  # type: ignore[union-attr]
+        return False
+    return all(
+        b.shape == (w.shape[0],) and b.dtype == w.dtype and b.device == w.device  # type: ignore[union-attr]
+        for b, w in zip(biases, weights)
+    )
+
+
 def _groups(gm: fx.GraphModule) -> list[list[fx.Node]]:
-    """Sibling linears by the activation they read, in graph order."""
+    """Sibling linears by the activation they read, in graph order, with no write between them."""
     by_input: dict[fx.Node, list[fx.Node]] = {}
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target == _aten.linear.default and isinstance(node.args[0], fx.Node):
             by_input.setdefault(node.args[0], []).append(node)
-    groups = []
-    for linears in by_input.values():
-        weights = [_attr(gm, n.args[1]) for n in linears]
-        biases = [n.args[2] if len(n.args) > 2 else n.kwargs.get("bias") for n in linears]
-        if len(linears) < 2 or any(w is None or w.dim() != 2 for w in weights):
-            continue
-        first = weights[0]
-        same_kind = all(
-            w.shape[1] == first.shape[1] and w.dtype == first.dtype and w.device == first.device
-            for w in weights
-        )
-        targets = [n.args[1].target for n in linears]
-        bias_ok = all(b is None for b in biases) or all(_attr(gm, b) is not None for b in biases)
-        bias_targets = [b.target for b in biases if b is not None]
-        if same_kind and bias_ok and len(set(targets)) == len(targets) and len(set(bias_targets)) == len(bias_targets):
-            groups.append(linears)
-    return groups
+    return [run for linears in by_input.values() for run in _runs(linears) if _fusable(gm, run)]
 
 
 def _drop_unused(gm: fx.GraphModule, targets: set[str]) -> None:
@@ -91,7 +121,7 @@ def fuse_projections(ep: ExportedProgram, example_inputs: Sequence[torch.Tensor]
     for index, linears in enumerate(groups):
         x = linears[0].args[0]
         weights = [_attr(gm, n.args[1]) for n in linears]
-        bias_nodes = [n.args[2] if len(n.args) > 2 else n.kwargs.get("bias") for n in linears]
+        bias_nodes = [_bias(n) for n in linears]
         sizes = [int(w.shape[0]) for w in weights]  # type: ignore[union-attr]
         weight_name = f"offgraph_fused_{index}_weight"
         gm.register_parameter(weight_name, torch.nn.Parameter(torch.cat(weights).detach(), requires_grad=False))  # type: ignore[arg-type]

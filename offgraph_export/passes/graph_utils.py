@@ -1,7 +1,7 @@
 """Graph helpers used by several passes and by the pipeline: the user-input placeholders, the
 symbols of their dynamic dims and those symbols' ranges; small node predicates for the passes
-that match patterns (users, single users, writes between two nodes) and their dead-code
-elimination."""
+that match patterns (users, single users, writes between two nodes), their dead-code
+elimination, and replacing a node without leaving the graph signature behind."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 from torch.export import ExportedProgram
+from torch.export.graph_signature import TensorArgument
 
 from offgraph_export.compat import dynamic_dim
 from offgraph_export.errors import ExportError
@@ -21,6 +22,7 @@ __all__ = [
     "is_call",
     "no_write_between",
     "only_user",
+    "replace_node",
     "tensor_value",
     "users",
     "user_input_nodes",
@@ -166,3 +168,13 @@ def drop_dead(graph: torch.fx.Graph) -> None:
             return
         for n in asserts:
             graph.erase_node(n)
+
+
+def replace_node(ep: ExportedProgram, old: torch.fx.Node, new: torch.fx.Node) -> None:
+    """``old.replace_all_uses_with(new)``, and where ``old`` was one of the program's outputs, the
+    graph signature's output spec now names ``new`` (``replace_all_uses_with`` rewires the output
+    node only; a signature naming a node that is gone fails ``ExportedProgram.validate``)."""
+    old.replace_all_uses_with(new)
+    for spec in ep.graph_signature.output_specs:
+        if isinstance(spec.arg, TensorArgument) and spec.arg.name == old.name:
+            spec.arg = TensorArgument(name=new.name)

@@ -15,6 +15,7 @@ import operator
 import torch
 from torch.export import ExportedProgram
 
+from offgraph_export.passes.graph_utils import replace_node
 from offgraph_export.passes.result import PassResult
 
 __all__ = ["split_to_slices"]
@@ -64,7 +65,7 @@ def split_to_slices(ep: ExportedProgram) -> PassResult[int]:
             with graph.inserting_before(item):
                 piece = graph.call_function(aten.slice.Tensor, (node.args[0], dim, start, end))
             piece.meta = dict(item.meta)
-            item.replace_all_uses_with(piece)
+            replace_node(ep, item, piece)
             graph.erase_node(item)
         graph.erase_node(node)
         rewritten += 1
