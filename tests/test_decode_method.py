@@ -5,6 +5,7 @@ against the eager model, and a loader refuses packages whose methods disagree wi
 from __future__ import annotations
 
 import json
+import math
 import zipfile
 from pathlib import Path
 
@@ -375,7 +376,10 @@ def _decode_entry(name: str, part: str) -> bool:
          r"not a valid weights config"),
         ("weights-config-huge-view",
          lambda n, d: _edit_first_view(d, shape=[2**40, 2**40], stride=[0, 0]) if _decode_entry(n, "weights_config.json") else d,
-         r"not a valid view|reaches element"),
+         r"not a valid view|reaches element|do not cover each element once"),
+        ("weights-config-zero-strides",  # inside the file, but read densely it would run past it
+         lambda n, d: _edit_first_view(d, stride=[0, 0]) if _decode_entry(n, "weights_config.json") else d,
+         r"strides \[0, 0\] for shape \[\d+, \d+\] do not cover each element once"),
         ("weights-config-shrunk-view",
          lambda n, d: _edit_first_view(d, shrink=True) if _decode_entry(n, "weights_config.json") else d,
          r"but the program was compiled for"),
@@ -404,8 +408,9 @@ def _edit_first_view(data: bytes, shape=None, stride=None, shrink=False) -> byte
     config = json.loads(data)
     name = next(n for n, v in config.items() if v[0] == "weight_0")
     file, old_shape, old_stride, offset = config[name]
-    if shrink:
+    if shrink:  # a smaller dense view: inside the file, but not the shape compiled for
         old_shape = [max(1, s // 2) for s in old_shape]
+        old_stride = [math.prod(old_shape[i + 1:]) for i in range(len(old_shape))]
     config[name] = [file, shape or old_shape, stride or old_stride, offset]
     return json.dumps(config).encode()
 

@@ -141,6 +141,22 @@ def _huge_specs(good, tmp):
     return rewrite(good, tmp / "huge.pt2", lambda n, d: d + b" " * (5 << 20) if n.endswith(SPECS_ENTRY) else d)
 
 
+def _build_from_sources(good, tmp):
+    """The library dropped and a compile-flags file added: torch's loader would build the library
+    from the archive's sources by running the flags file's compiler through a shell."""
+    flags = b'{"compiler": "touch ' + str(tmp / MARK).encode() + b'; g++", "compile_only": true}'
+
+    def edit(name, data):
+        return None if name.endswith(".so") else data
+
+    wrapper = next(n for n in zipfile.ZipFile(good).namelist() if n.endswith("wrapper.cpp"))
+    return rewrite(good, tmp / "sources.pt2", edit, extra=[(wrapper[:-4] + "_compile_flags.json", flags)])
+
+
+def _no_library(good, tmp):
+    return rewrite(good, tmp / "no_library.pt2", lambda n, d: None if n.endswith(".so") else d)
+
+
 def _version_string(good, tmp):
     return rewrite(good, tmp / "version.pt2", specs_edit(lambda s: s.update(version="1")))
 
@@ -167,6 +183,8 @@ HOSTILE = [
     pytest.param(_deeply_nested, "nests deeper than", id="deeply-nested-specs"),
     pytest.param(_huge_specs, "more than the", id="oversized-specs"),
     pytest.param(_version_string, "version", id="version-as-string"),
+    pytest.param(_build_from_sources, r"_compile_flags\.json' is not part of an offgraph package", id="build-from-sources"),
+    pytest.param(_no_library, r"method 'model' holds 0 compiled libraries \(\.so\)", id="no-library"),
 ]
 
 

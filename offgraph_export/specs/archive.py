@@ -134,23 +134,39 @@ _WEIGHT_ENTRY = re.compile(re.escape(WEIGHTS_DIR) + WEIGHT_FILE)
 _METHOD_ENTRY = re.compile(re.escape(AOTI_DIR) + r"([A-Za-z0-9_]+)/[A-Za-z0-9_.\-]+")
 
 
+#: Files of a method's folder that only serve to build its library from source: torch's loader
+#: compiles the ``.cpp`` with the commands these name (through a shell) when the folder has no
+#: ``.so``; a package of this project always holds the built library, so they are refused.
+_BUILD_FILES = re.compile(r".*(_compile_flags\.json|_linker_flags\.json|\.o|CMakeLists\.txt)")
+
+
 def check_pt2_layout(names: list[str], source: str, methods: list[str]) -> None:
     """Every entry of a ``.pt2`` is one this project writes: the archive's bookkeeping files, the
     specs, ``data/weights/weight_<n>`` and the files of the named ``methods`` (one folder each
-    under ``data/aotinductor/``, all present). Anything else, exported programs or pickled
-    constants above all (torch's loader would unpickle them), is refused before any is read."""
+    under ``data/aotinductor/``, all present, each with exactly one built library ``.so`` and no
+    build files). Anything else, exported programs or pickled constants above all (torch's loader
+    would unpickle them), or the makings of a build (torch's loader runs the compile command a
+    flags file names when a method has no library), is refused before any is read."""
     root = archive_root(names, source)
-    held = set()
+    libraries: dict[str, int] = {method: 0 for method in methods}
     for name in names:
         rel = name[len(root):]
         if rel in _PT2_FILES or _WEIGHT_ENTRY.fullmatch(rel) or rel.endswith("/"):
             continue
         match = _METHOD_ENTRY.fullmatch(rel)
-        if match and match.group(1) in methods:
-            held.add(match.group(1))
+        if match and match.group(1) in methods and not _BUILD_FILES.fullmatch(rel):
+            libraries[match.group(1)] += rel.endswith(".so")
             continue
         raise ArtifactError(f"{source}: archive entry {name!r} is not part of an offgraph package; refusing to load it")
-    if held != set(methods):
+    held = sorted(m for m in methods if any(n[len(root):].startswith(f"{AOTI_DIR}{m}/") for n in names))
+    if held != sorted(methods):
         raise ArtifactError(
-            f"{source}: the package holds compiled methods {sorted(held)} but its specs name {methods}"
+            f"{source}: the package holds compiled methods {held} but its specs name {methods}"
+        )
+    wrong = {m: n for m, n in libraries.items() if n != 1}
+    if wrong:
+        method, count = next(iter(wrong.items()))
+        raise ArtifactError(
+            f"{source}: method {method!r} holds {count} compiled libraries (.so); a package holds "
+            "exactly one per method (it is never built from sources at load)"
         )
