@@ -172,10 +172,26 @@ def _compare_rows(
             continue
         want = (held[1] if which == "k" else held[2])[:, :, [index[p] for p in common]].float()
         got = new[:, :, [storage_row(p, rows) for p in common]].float().to(want.device)
-        err = float((got - want).abs().max())
+        err, scale, nonfinite = _difference(got, want)
         step.storage_max_err = max(step.storage_max_err, err)
-        if not err <= atol + rtol * float(want.abs().max()):
+        if nonfinite:
+            step.problems.append(f"{storage.name}: stored rows {nonfinite}")
+        elif not err <= atol + rtol * scale:
             step.problems.append(f"{storage.name}: stored rows differ from the oracle's K/V by {err:.3e}")
+
+
+def _difference(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float, str]:
+    """(largest difference over the elements where ``want`` is finite, the largest finite
+    ``|want|``, a problem or ""): where ``want`` is inf or NaN, ``got`` must hold the same (an
+    infinite reference would otherwise make a relative tolerance infinite, and any output pass)."""
+    finite = torch.isfinite(want)
+    if not torch.equal(finite, torch.isfinite(got)) or not torch.equal(want.isnan(), got.isnan()) or not torch.equal(
+        got[~finite & ~want.isnan()], want[~finite & ~want.isnan()]
+    ):
+        return float("nan"), 0.0, "hold other non-finite values (inf, NaN) than the eager reference"
+    if not finite.any():
+        return 0.0, 0.0, ""
+    return float((got[finite] - want[finite]).abs().max()), float(want[finite].abs().max()), ""
 
 
 def _compare_outputs(step: StepReport, got: torch.Tensor, want: torch.Tensor, tolerance: tuple[float, float]) -> None:
@@ -184,9 +200,11 @@ def _compare_outputs(step: StepReport, got: torch.Tensor, want: torch.Tensor, to
     if got.shape != want.shape:
         step.problems.append(f"output shape {tuple(got.shape)} != eager {tuple(want.shape)}")
         return
-    step.max_abs_err = float((got - want).abs().max())
-    step.tolerance = atol + rtol * float(want.abs().max())
-    if not step.max_abs_err <= step.tolerance:  # also catches NaN
+    step.max_abs_err, scale, nonfinite = _difference(got, want)
+    step.tolerance = atol + rtol * scale
+    if nonfinite:
+        step.problems.append(f"output values {nonfinite}")
+    elif not step.max_abs_err <= step.tolerance:  # also catches NaN
         step.problems.append(
             f"output differs from eager by {step.max_abs_err:.3e} > tolerance {step.tolerance:.3e}"
         )
@@ -314,7 +332,13 @@ def check_artifact(
     if isinstance(artifact, (str, Path)):
         artifact = load_artifact(artifact, single_threaded=cuda_graphs)
     manifest = artifact.specs.manifest
+    if manifest.has_flat and prefill_chunks > manifest.max_capacity:
+        raise OffgraphError(
+            f"prefill_chunks={prefill_chunks} cannot fit: the artifact holds at most "
+            f"{manifest.max_capacity} tokens (max capacity)"
+        )
     sched = list(schedule) if schedule is not None else default_schedule(manifest, decode_steps, prefill_chunks, seed)
+    _check_schedule(sched, manifest)
     report = CheckReport(
         artifact=str(artifact.path), model=model_name or artifact.specs.model,
         device=str(artifact.device), seed=seed, schedule=sched,
@@ -326,6 +350,20 @@ def check_artifact(
     finally:
         session.close()
     return report
+
+
+def _check_schedule(schedule: list[int], manifest: CacheManifest) -> None:
+    """A schedule a check can run: at least one step, each of 1..max_write tokens, within the max
+    capacity where a layer is flat (otherwise a good artifact would be reported failing)."""
+    if not schedule:
+        raise OffgraphError("the schedule is empty: a check runs at least one step")
+    bad = next((w for w in schedule if not isinstance(w, int) or not 1 <= w <= manifest.max_write), None)
+    if bad is not None:
+        raise OffgraphError(f"schedule step of {bad!r} tokens; each step writes 1..max_write={manifest.max_write}")
+    if manifest.has_flat and sum(schedule) > manifest.max_capacity:
+        raise OffgraphError(
+            f"the schedule writes {sum(schedule)} tokens; the artifact holds at most {manifest.max_capacity}"
+        )
 
 
 def _span(rows: list[int]) -> str:

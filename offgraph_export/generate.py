@@ -21,8 +21,9 @@ class GenerationResult:
     step_ms: list[float] = field(default_factory=list)
 
     @property
-    def decode_ms_median(self) -> float:
-        return statistics.median(self.step_ms) if self.step_ms else float("nan")
+    def decode_ms_median(self) -> float | None:
+        """Median time of the decode steps, ms; None when none ran (one new token)."""
+        return statistics.median(self.step_ms) if self.step_ms else None
 
 
 def generate(
@@ -36,6 +37,12 @@ def generate(
     if not prompt:
         raise OffgraphError("the prompt is empty: give at least one token")
     manifest = session.specs.manifest
+    written = session.committed_length + len(prompt) + max_new_tokens - 1  # the last token is not fed back
+    if manifest.has_flat and written > manifest.max_capacity:
+        raise OffgraphError(
+            f"{len(prompt)} prompt tokens and {max_new_tokens} new ones need {written} tokens of cache; "
+            f"the artifact holds at most {manifest.max_capacity}: shorten them or export with a larger --max-capacity"
+        )
     device = session.artifact.device
     batch = manifest.batch_size
     ids = torch.tensor([list(prompt)] * batch, dtype=torch.int64, device=device)

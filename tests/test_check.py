@@ -270,3 +270,34 @@ def test_copy_of_a_good_package_passes_the_check(example_artifact, tmp_path, exa
     """A plain file copy (not rewritten): the check only depends on the package's contents."""
     path = Path(shutil.copy(example_artifact, tmp_path / "copy.pt2"))
     assert check_artifact(path, example_bundle, decode_steps=2).passed
+
+
+# -- what a check refuses to run, and infinities ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "schedule, message",
+    [([], "the schedule is empty"), ([4, 0], "step of 0 tokens"), ([32] * 9, "writes 288 tokens; the artifact holds at most 256")],
+    ids=["empty", "zero-width-step", "past-capacity"],
+)
+def test_a_schedule_the_check_cannot_run_is_refused_not_reported(loaded_example, example_bundle, schedule, message):
+    """An empty schedule would pass with nothing checked; one past the capacity would report a
+    good artifact failing: both are refused before any step."""
+    from offgraph_export.errors import OffgraphError
+
+    with pytest.raises(OffgraphError, match=message):
+        check_artifact(loaded_example, example_bundle, schedule=schedule)
+
+
+def test_an_infinite_reference_does_not_make_the_comparison_unable_to_fail():
+    """Where the eager output holds inf, the relative tolerance would be inf and any output pass:
+    infinities must match exactly and the tolerance comes from the finite values."""
+    from offgraph_export.check import StepReport, _compare_outputs
+
+    want = torch.tensor([1.0, float("inf"), -2.0])
+    for got, ok in [(want.clone(), True), (torch.tensor([1e6, float("inf"), -2.0]), False),
+                    (torch.tensor([1.0, 5.0, -2.0]), False), (torch.tensor([1.0, float("-inf"), -2.0]), False),
+                    (torch.tensor([1.0, float("inf"), float("nan")]), False)]:
+        step = StepReport(index=0, kind="decode", start=0, width=1, width_from_spec=1, method="model")
+        _compare_outputs(step, got, want, (1e-3, 1e-3))
+        assert (not step.problems) == ok, (got, step.problems)

@@ -77,6 +77,12 @@ def _cases(tmp_path: Path, artifact: Path) -> dict[str, tuple]:
         "run-bad-tokens": _case(["run", str(artifact), "--model", EXAMPLE, "--tokens", "1,x"], "comma-separated integers"),
         "run-token-outside-vocabulary": _case(["run", str(artifact), "--model", EXAMPLE, "--tokens", "1,999"],
                                               "outside [0, 256)"),
+        "check-prefill-past-capacity": _case(
+            ["check", str(artifact), "--model", EXAMPLE, "--prefill-chunks", "300"], "prefill_chunks=300 cannot fit"),
+        "run-past-capacity": _case(["run", str(artifact), "--model", EXAMPLE, "--tokens", "1,2", "--max-new-tokens", "300"],
+                                   "need 301 tokens of cache; the artifact holds at most 256"),
+        "run-token-beyond-int64": _case(["run", str(artifact), "--model", EXAMPLE, "--tokens", "1,99999999999999999999"],
+                                        "non-negative int64"),
         "inspect-fifo": _case(["inspect", _fifo(tmp_path)], "is not a regular file"),
         "inspect-directory": _case(["inspect", str(tmp_path)], "is a directory"),
         "hf-missing-directory": _case(["export", f"hf:{tmp_path / 'no_ckpt'}", "-o", out], "no such checkpoint directory"),
@@ -96,7 +102,8 @@ CASE_NAMES = [
     "gemv-on-cpu", "rope-on-cpu", "unknown-command", "check-without-model",
     "check-zero-steps", "check-negative-prefill-chunks", "check-graphs-on-cpu-artifact",
     "check-missing-artifact", "run-zero-new-tokens", "run-prompt-and-tokens", "run-bad-tokens",
-    "run-token-outside-vocabulary", "inspect-fifo", "inspect-directory", "hf-missing-directory",
+    "run-token-outside-vocabulary", "check-prefill-past-capacity", "run-past-capacity", "run-token-beyond-int64",
+    "inspect-fifo", "inspect-directory", "hf-missing-directory",
     "hf-unknown-option", "cuda-without-gpu",
 ]
 
@@ -123,9 +130,14 @@ def test_user_error_is_one_line_exit_2(name, tmp_path, example_artifact):
 
 
 def test_debug_shows_the_traceback(tmp_path):
+    """--debug adds the traceback and changes no exit code (2: check's "cannot run", not 1, its
+    "failed")."""
     factory = _factory(tmp_path, "def build():\n    raise RuntimeError('boom')\n")
     proc = cli("--debug", "export", factory, "-o", str(tmp_path / "o.pt2"), check=False)
-    assert proc.returncode != 0 and "Traceback" in proc.stderr and "boom" in proc.stderr
+    assert proc.returncode == 2 and "Traceback" in proc.stderr and "boom" in proc.stderr
+    proc = cli("--debug", "check", str(tmp_path / "none.pt2"), "--model", EXAMPLE, check=False)
+    assert proc.returncode == 2 and "Traceback" in proc.stderr
+    assert proc.stderr.rstrip().splitlines()[-1].startswith("error: ")
 
 
 def test_recorded_factory_resolves_from_another_directory(example_artifact, tmp_path):

@@ -153,6 +153,13 @@ def _build_from_sources(good, tmp):
     return rewrite(good, tmp / "sources.pt2", edit, extra=[(wrapper[:-4] + "_compile_flags.json", flags)])
 
 
+def _huge_integer(good, tmp):
+    def edit(name, data):
+        return data.replace(b'"version": 1', b'"version": ' + b"9" * 5000) if name.endswith(SPECS_ENTRY) else data
+
+    return rewrite(good, tmp / "huge_integer.pt2", edit)
+
+
 def _no_library(good, tmp):
     return rewrite(good, tmp / "no_library.pt2", lambda n, d: None if n.endswith(".so") else d)
 
@@ -184,6 +191,7 @@ HOSTILE = [
     pytest.param(_huge_specs, "more than the", id="oversized-specs"),
     pytest.param(_version_string, "version", id="version-as-string"),
     pytest.param(_build_from_sources, r"_compile_flags\.json' is not part of an offgraph package", id="build-from-sources"),
+    pytest.param(_huge_integer, "offgraph specs entry is not a valid spec: Exceeds the limit", id="huge-integer"),
     pytest.param(_no_library, r"method 'model' holds 0 compiled libraries \(\.so\)", id="no-library"),
 ]
 

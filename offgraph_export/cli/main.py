@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from dataclasses import replace
 from pathlib import Path
 
@@ -39,7 +40,7 @@ POSITIVE = click.IntRange(min=1)
 
 class _Cli(click.Group):
     """One error path: every user error ends as one line ``error: ...`` on stderr and exit 2; a
-    traceback only with ``--debug`` (or ``OFFGRAPH_DEBUG=1``)."""
+    traceback before it only with ``--debug`` (or ``OFFGRAPH_DEBUG=1``), which changes no exit code."""
 
     def main(self, args=None, prog_name=None, **kwargs):  # type: ignore[override]
         argv = list(sys.argv[1:] if args is None else args)
@@ -53,18 +54,19 @@ class _Cli(click.Group):
             code = 1
         except click.ClickException as exc:
             if debug:
-                raise
+                traceback.print_exc()
             _say(f"error: {_one_line(exc.format_message())}")
             code = 2
         except OffgraphError as exc:
             if debug:
-                raise
+                traceback.print_exc()
             _say(f"error: {_one_line(str(exc))}")
             code = 2
         except Exception as exc:  # a bug, or an error of a library we called: one line, then exit 2
             if debug:
-                raise
-            _say(f"error: {type(exc).__name__}: {_one_line(str(exc))} (rerun with --debug for the traceback)")
+                traceback.print_exc()
+            hint = "" if debug else " (rerun with --debug for the traceback)"
+            _say(f"error: {type(exc).__name__}: {_one_line(str(exc))}{hint}")
             code = 2
         sys.exit(code if isinstance(code, int) else 0)
 
@@ -327,6 +329,8 @@ def run(artifact, prompt, tokens, max_new_tokens, model_factory, recorded_model,
             ids = [int(t) for t in tokens.split(",") if t.strip()]
         except ValueError:
             raise click.BadParameter(f"{tokens!r} must be comma-separated integers", param_hint="'--tokens'") from None
+        if not all(0 <= i < 2**63 for i in ids):
+            raise click.BadParameter(f"{tokens!r}: token ids are non-negative int64 values", param_hint="'--tokens'")
     specs = read_specs(artifact)
     if cuda_graphs and specs.device != "cuda":
         raise click.BadParameter("CUDA graphs need a cuda artifact", param_hint="'--cuda-graphs'")
@@ -344,13 +348,14 @@ def run(artifact, prompt, tokens, max_new_tokens, model_factory, recorded_model,
     metrics = session.metrics()
     if as_json:
         click.echo(json.dumps({"prompt_tokens": ids, "new_tokens": result.new_tokens, "text": text,
-                               "metrics": metrics.model_dump(), "decode_ms_median": result.decode_ms_median}))
+                               "metrics": metrics.model_dump(), "decode_ms_median": result.decode_ms_median}))  # None: no decode step
         return
     click.echo(text if text is not None else " ".join(map(str, result.new_tokens)))
     _say(
         f"session: committed_length {metrics.committed_length}, capacity {metrics.capacity}, "
         f"{metrics.growth_count} growths, {metrics.allocated_bytes / 1e6:.2f} MB, "
-        f"{metrics.graph_captures} graph captures; decode median {result.decode_ms_median:.2f} ms/token"
+        f"{metrics.graph_captures} graph captures; decode median "
+        + (f"{result.decode_ms_median:.2f} ms/token" if result.decode_ms_median is not None else "n/a (no decode step)")
     )
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import os
 import zipfile
+import zlib
 from typing import Annotated
 
 import torch
@@ -135,7 +136,7 @@ def load_method_weights(
                     files[view.file] = loaded
     except ArtifactError:
         raise
-    except (zipfile.BadZipFile, OSError, RuntimeError, EOFError) as exc:
+    except (zipfile.BadZipFile, OSError, RuntimeError, EOFError, zlib.error, NotImplementedError) as exc:
         raise ArtifactError(f"{source}: cannot read the weights: {exc}") from exc
     out: dict[str, dict[str, torch.Tensor]] = {}
     for method, views in configs.items():

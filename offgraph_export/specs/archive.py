@@ -15,6 +15,7 @@ import posixpath
 import re
 import stat
 import zipfile
+import zlib
 from pathlib import Path
 
 from offgraph_export.errors import ArtifactError
@@ -79,6 +80,11 @@ def regular_file(path: str | os.PathLike) -> Path:
     return target
 
 
+#: What reading a damaged member raises besides BadZipFile: a corrupt deflate stream (zlib.error),
+#: a compression method zipfile lacks (NotImplementedError), a truncated one (EOFError).
+_UNREADABLE_MEMBER = (zipfile.BadZipFile, zlib.error, NotImplementedError, EOFError)
+
+
 def check_archive(path: str | os.PathLike, verify_crc: bool = True) -> list[zipfile.ZipInfo]:
     """Validate every entry of the archive at ``path`` (see the module docstring); return them."""
     source = str(path)
@@ -109,9 +115,9 @@ def check_archive(path: str | os.PathLike, verify_crc: bool = True) -> list[zipf
                         with archive.open(info) as member:
                             while member.read(_CHUNK):
                                 pass
-                    except zipfile.BadZipFile as exc:
+                    except _UNREADABLE_MEMBER as exc:
                         raise ArtifactError(
-                            f"{source}: archive entry {info.filename!r} is corrupt ({exc})"
+                            f"{source}: archive entry {info.filename!r} is corrupt ({type(exc).__name__}: {exc})"
                         ) from exc
     except zipfile.BadZipFile as exc:
         raise ArtifactError(f"{source} is not a readable .pt2 archive: {exc}") from exc

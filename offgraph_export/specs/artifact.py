@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import zipfile
+import zlib
 from typing import Literal
 
 from pydantic import (
@@ -231,8 +232,8 @@ def read_artifact_specs(path: str | os.PathLike, verify_crc: bool = False) -> Ar
     try:
         with zipfile.ZipFile(path) as archive:
             text = archive.read(entry)
-    except (zipfile.BadZipFile, OSError) as exc:
-        raise ArtifactError(f"{source}: cannot read {SPECS_ENTRY}: {exc}") from exc
+    except (zipfile.BadZipFile, OSError, zlib.error, NotImplementedError, EOFError) as exc:
+        raise ArtifactError(f"{source}: cannot read {SPECS_ENTRY}: {type(exc).__name__}: {exc}") from exc
     return parse_artifact_specs(text, source)
 
 

@@ -56,3 +56,5 @@ def loads_limited(text: str | bytes, what: str, error: type[Exception] = SpecErr
         return json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise error(f"{what} is not valid JSON: {exc}") from exc
+    except ValueError as exc:  # e.g. an integer longer than Python converts (sys.get_int_max_str_digits)
+        raise error(f"{what} is not a valid spec: {exc}") from exc
