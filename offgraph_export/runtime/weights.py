@@ -5,8 +5,8 @@ The packager (:mod:`offgraph_export.lowering.aoti`) keeps weights out of the com
 and each method's ``<root>/data/aotinductor/<method>/weights_config.json`` maps its constant names
 to ``[file, shape, stride, storage offset]``. Both are untrusted input: a config must be valid JSON of
 that form within the size limits, name only weight files that exist in the archive, and describe
-dense views (each element once: the compiled code reads a weight as one block) that lie inside the
-loaded tensor; the files are read with ``torch.load(weights_only=True)``
+views that lie inside the loaded tensor (their dtype, shape and strides are then compared with what
+the program was compiled for, ``specs/constants.py``); the files are read with ``torch.load(weights_only=True)``
 (tensors only, no code) straight onto the artifact's device. Each method then receives its views
 with ``user_managed`` set, so the compiled code reads these tensors in place and the weights occupy
 device memory once however many methods the package holds.
@@ -55,19 +55,6 @@ class WeightView(BaseModel):
         file, shape, stride, offset = entry
         return cls(file=file, shape=shape, stride=stride, offset=offset)
 
-    def dense(self) -> bool:
-        """Whether the view covers each of its elements once, with no gaps: some order of its
-        dims is contiguous (a compiled program reads a weight as ``numel`` elements from its data
-        pointer, so a zero or overlapping stride would make it read past what the view reaches)."""
-        expected = 1
-        for size, stride in sorted((p for p in zip(self.shape, self.stride) if p[0] != 1), key=lambda p: p[1]):
-            if size == 0:
-                return True
-            if stride != expected:
-                return False
-            expected *= size
-        return True
-
     def extent(self) -> int:
         """Elements from the storage start the view reaches (0 for an empty view)."""
         if any(s == 0 for s in self.shape):
@@ -91,11 +78,7 @@ def _read_config(archive: zipfile.ZipFile, entry: str, source: str) -> dict[str,
             views[name] = WeightView.from_entry(value)
             if len(views[name].shape) != len(views[name].stride):
                 raise ValueError(f"{name}: shape and stride have different ranks")
-            if not views[name].dense():
-                raise ValueError(
-                    f"{name}: strides {views[name].stride} for shape {views[name].shape} do not cover "
-                    "each element once (a compiled program reads weights densely)"
-                )
+
     except (ValidationError, ValueError) as exc:
         raise ArtifactError(f"{source}: {entry} is not a valid weights config: {exc}") from exc
     return views

@@ -1,9 +1,10 @@
 """What each compiled method was built for, besides its inputs: its constants (weights) by name,
-with dtype and shape. Compiled into every method's AOTI metadata (:data:`CONSTANTS_KEY`) at export
+with dtype, shape and strides. Compiled into every method's AOTI metadata (:data:`CONSTANTS_KEY`) at export
 and compared with the weights handed to the method at load: the compiled code reads them in place
 and checks nothing itself, so a weights config that shrinks a view or a weight file of another
-dtype would otherwise be read past its end. Works on anything with ``dtype`` and ``shape`` (no torch
-import here)."""
+dtype, or a view whose strides differ from the compiled ones (a zero stride where the program reads
+rows densely), would otherwise be read past its end. Works on anything with ``dtype``, ``shape`` and
+``stride()`` (no torch import here)."""
 
 from __future__ import annotations
 
@@ -37,19 +38,41 @@ def check_constants(weights: Mapping[str, Any], description: str, method: str, s
         )
     for name, tensor in weights.items():
         want, got = data[name], _describe(tensor)
+        if not isinstance(want, list) or len(want) not in (2, 3):
+            raise ArtifactError(f"{source}: method {method!r}: the description of constant {name!r} is malformed")
+        if len(want) == 2:  # a package of an earlier version: no strides recorded, so dense ones only
+            got = got[:2]
+            if not _dense(tensor.shape, tensor.stride()):
+                raise ArtifactError(
+                    f"{source}: method {method!r}: weight {name!r} has strides {list(tensor.stride())}, which "
+                    "a package without recorded strides cannot vouch for; re-export it with this version"
+                )
         if want != got:
             raise ArtifactError(
-                f"{source}: method {method!r}: weight {name!r} is {got[0]} {got[1]} but the program "
-                f"was compiled for {want}"
+                f"{source}: method {method!r}: weight {name!r} is {got[0]} {got[1]}"
+                + (f" strides {got[2]}" if len(got) > 2 else "")
+                + f" but the program was compiled for {want}"
             )
 
 
 def _describe(tensor: Any) -> list[Any]:
-    return [str(tensor.dtype).removeprefix("torch."), list(tensor.shape)]
+    return [str(tensor.dtype).removeprefix("torch."), list(tensor.shape), list(tensor.stride())]
+
+
+def _dense(shape: Any, stride: Any) -> bool:
+    """Whether a view of ``shape``/``stride`` covers each of its elements once, with no gaps."""
+    expected = 1
+    for size, step in sorted((p for p in zip(shape, stride) if p[0] != 1), key=lambda p: p[1]):
+        if size == 0:
+            return True
+        if step != expected:
+            return False
+        expected *= size
+    return True
 
 
 def describe_constants(constants: Mapping[str, Any]) -> str:
-    """Canonical JSON ``{name: [dtype, shape]}`` of a program's constants (compiled into each
+    """Canonical JSON ``{name: [dtype, shape, stride]}`` of a program's constants (compiled into each
     method's metadata at export, compared by :func:`check_constants` at load)."""
     data = {name: _describe(t) for name, t in constants.items()}
     return json.dumps(data, sort_keys=True, separators=(",", ":"))
