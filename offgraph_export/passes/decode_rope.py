@@ -13,8 +13,9 @@ The pattern is the eager form of Llama-family models, on the query and on the ke
 
 with ``cos``/``sin`` one row of ``D`` values in ``x``'s dtype, the same two nodes for the query and
 the key, and every value inside the pattern used only there. The call then takes ``x`` for q and
-k and the rows as ``rope_cos``/``rope_sin``; the kernel performs the same products and sum with
-the same roundings. A call whose pattern has a memory write between its first node and the call
+k and the rows as ``rope_cos``/``rope_sin``; the kernel computes the same products and sum in
+fp32 and rounds once, as Inductor's fused rotary kernel does (eager rounds each product and the sum:
+in bf16 the two may differ by one unit in the last place). A call whose pattern has a memory write between its first node and the call
 is left alone. Run it on the decode method before ``functionalize``. Produces how many attention
 calls took their rotary embedding.
 """
