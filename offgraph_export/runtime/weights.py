@@ -17,14 +17,13 @@ from __future__ import annotations
 import io
 import os
 import zipfile
-import zlib
 from typing import Annotated
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError
 
 from offgraph_export.errors import ArtifactError
-from offgraph_export.specs.archive import AOTI_DIR, WEIGHT_FILE, WEIGHTS_DIR, archive_root
+from offgraph_export.specs.archive import AOTI_DIR, UNREADABLE_MEMBER, WEIGHT_FILE, WEIGHTS_DIR, archive_root
 from offgraph_export.specs.limits import MAX_JSON_BYTES, loads_limited
 
 __all__ = [
@@ -119,7 +118,7 @@ def load_method_weights(
                     files[view.file] = loaded
     except ArtifactError:
         raise
-    except (zipfile.BadZipFile, OSError, RuntimeError, EOFError, zlib.error, NotImplementedError) as exc:
+    except (OSError, RuntimeError, *UNREADABLE_MEMBER) as exc:
         raise ArtifactError(f"{source}: cannot read the weights: {exc}") from exc
     out: dict[str, dict[str, torch.Tensor]] = {}
     for method, views in configs.items():

@@ -29,6 +29,7 @@ __all__ = [
     "archive_root",
     "regular_file",
     "check_pt2_layout",
+    "UNREADABLE_MEMBER",
 ]
 
 #: The entry that marks a PT2 archive's root folder (``<root>/archive_format``).
@@ -82,7 +83,7 @@ def regular_file(path: str | os.PathLike) -> Path:
 
 #: What reading a damaged member raises besides BadZipFile: a corrupt deflate stream (zlib.error),
 #: a compression method zipfile lacks (NotImplementedError), a truncated one (EOFError).
-_UNREADABLE_MEMBER = (zipfile.BadZipFile, zlib.error, NotImplementedError, EOFError)
+UNREADABLE_MEMBER = (zipfile.BadZipFile, zlib.error, NotImplementedError, EOFError)
 
 
 def check_archive(path: str | os.PathLike, verify_crc: bool = True) -> list[zipfile.ZipInfo]:
@@ -115,7 +116,7 @@ def check_archive(path: str | os.PathLike, verify_crc: bool = True) -> list[zipf
                         with archive.open(info) as member:
                             while member.read(_CHUNK):
                                 pass
-                    except _UNREADABLE_MEMBER as exc:
+                    except UNREADABLE_MEMBER as exc:
                         raise ArtifactError(
                             f"{source}: archive entry {info.filename!r} is corrupt ({type(exc).__name__}: {exc})"
                         ) from exc

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import zipfile
-import zlib
 from typing import Literal
 
 from pydantic import (
@@ -23,7 +22,7 @@ from pydantic import (
 )
 
 from offgraph_export.errors import ArtifactError, SpecError
-from offgraph_export.specs.archive import archive_root, check_archive
+from offgraph_export.specs.archive import UNREADABLE_MEMBER, archive_root, check_archive
 from offgraph_export.specs.limits import MAX_JSON_BYTES, loads_limited
 from offgraph_export.specs.manifest import CacheManifest
 from offgraph_export.specs.step_width import StepWidthSpec, parse_step_width
@@ -232,7 +231,7 @@ def read_artifact_specs(path: str | os.PathLike, verify_crc: bool = False) -> Ar
     try:
         with zipfile.ZipFile(path) as archive:
             text = archive.read(entry)
-    except (zipfile.BadZipFile, OSError, zlib.error, NotImplementedError, EOFError) as exc:
+    except (OSError, *UNREADABLE_MEMBER) as exc:
         raise ArtifactError(f"{source}: cannot read {SPECS_ENTRY}: {type(exc).__name__}: {exc}") from exc
     return parse_artifact_specs(text, source)
 
