@@ -147,6 +147,9 @@ class Session:
         """Launch the compiled program on prepared storage (no commit). Refused (StepRefused) for a
         step prepared before the session's last commit, reset or close."""
         self._check_current(step, "run")
+        return self._launch(step)
+
+    def _launch(self, step: PreparedStep) -> list[torch.Tensor]:
         if self._graphs is not None and self._graphs.accepts(step.width):
             return self._graphs.run(step.inputs, self.committed_length)
         return self.artifact.run([*step.inputs, *self.storage.bound()], width=step.width)
@@ -154,6 +157,9 @@ class Session:
     def commit(self, step: PreparedStep) -> None:
         """Advance the session by the step's width (after a successful run)."""
         self._check_current(step, "commit")
+        self._advance(step)
+
+    def _advance(self, step: PreparedStep) -> None:
         self._epoch += 1
         self.committed_length += step.width
         self._steps += 1
@@ -162,16 +168,16 @@ class Session:
 
     def step(self, *inputs: torch.Tensor | None) -> list[torch.Tensor]:
         """prepare -> run -> commit. Returns the program's outputs."""
-        prepared = self.prepare(inputs)
+        prepared = self.prepare(inputs)  # current by construction: run and commit need no check
         try:
-            outputs = self.run(prepared)
+            outputs = self._launch(prepared)
         except Exception as exc:  # the compiled program's C++ errors surface as RuntimeError
             self._failed += 1
             raise StepFailed(
                 f"compiled step of {prepared.width} tokens at length {self.committed_length} failed; "
                 f"the cache was not advanced: {_first_line(exc)}"
             ) from exc
-        self.commit(prepared)
+        self._advance(prepared)
         return outputs
 
     # -- lifecycle ------------------------------------------------------------------------------

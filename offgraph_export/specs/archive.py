@@ -156,19 +156,20 @@ def check_pt2_layout(names: list[str], source: str, methods: list[str]) -> None:
     flags file names when a method has no library), is refused before any is read."""
     root = archive_root(names, source)
     libraries: dict[str, int] = {method: 0 for method in methods}
+    held = set()
     for name in names:
         rel = name[len(root):]
         if rel in _PT2_FILES or _WEIGHT_ENTRY.fullmatch(rel) or rel.endswith("/"):
             continue
         match = _METHOD_ENTRY.fullmatch(rel)
         if match and match.group(1) in methods and not _BUILD_FILES.fullmatch(rel):
+            held.add(match.group(1))
             libraries[match.group(1)] += rel.endswith(".so")
             continue
         raise ArtifactError(f"{source}: archive entry {name!r} is not part of an offgraph package; refusing to load it")
-    held = sorted(m for m in methods if any(n[len(root):].startswith(f"{AOTI_DIR}{m}/") for n in names))
-    if held != sorted(methods):
+    if held != set(methods):
         raise ArtifactError(
-            f"{source}: the package holds compiled methods {held} but its specs name {methods}"
+            f"{source}: the package holds compiled methods {sorted(held)} but its specs name {methods}"
         )
     wrong = {m: n for m, n in libraries.items() if n != 1}
     if wrong:
