@@ -206,29 +206,39 @@ def test_decode_rope_folds_llama_rotary_embedding_into_the_attention_call(tmp_pa
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-def test_decode_folds_compute_the_same_step_on_cuda(tmp_path):
+@pytest.mark.parametrize("seed", [0, 1])
+def test_decode_folds_compute_the_same_step_on_cuda(tmp_path, seed):
     """transformers' Llama in bf16 on the GPU: the decode method with every fold (GEMV with its
-    norm, SiLU·mul and residual folds; rotary embedding in the attention kernel) against the same
-    method without them, both run eagerly (cuBLAS and eager pointwise ops for the unfolded one) on
-    the same inputs and storage; the logits agree to bf16 rounding and the stored rows match."""
+    norm, SiLU·mul and residual folds; rotary embedding in the attention kernel) and the same method
+    without them (cuBLAS and eager pointwise ops), both run eagerly on the same inputs and storage,
+    against the oracle: the unfolded method in fp32 with the same bf16-rounded weights. The folded
+    logits are no further from it than the unfolded bf16 ones (measured on the H200 over six
+    weight seeds: 0.009-0.013 vs 0.011-0.015; the two bf16 programs differ from each other by up to
+    0.015, so comparing them with each other alone sat at the edge of any fixed tolerance), and the
+    stored rows match."""
     transformers = pytest.importorskip("transformers")
     from tests.test_frontend_hf import COMMON
 
+    torch.manual_seed(seed)
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)).save_pretrained(tmp_path)
-    bundle = load_bundle(f"hf:{tmp_path}", dtype="bfloat16", initial_capacity=64)
-    assert bundle.cache_config.storage_dtype == "bfloat16"
-    model = bundle.model.requires_grad_(False).to("cuda")
-    inputs = tuple(x.to("cuda") for x in bundle.example_inputs)
 
-    def decode_program(**folds):
+    def decode_program(dtype, **folds):
+        bundle = load_bundle(f"hf:{tmp_path}", dtype=dtype, initial_capacity=64)
+        model = bundle.model.requires_grad_(False).to("cuda")
+        for t in [*model.parameters(), *model.buffers()]:
+            if t.is_floating_point():  # the oracle's weights: the bf16 ones, widened
+                t.data = t.data.to(torch.bfloat16).to(t.dtype)
+        inputs = tuple(x.to("cuda") for x in bundle.example_inputs)
         ep = export_model(model, inputs, bundle.token_dims, bundle.cache_config.max_write)
         program = run_passes(ep, inputs, bundle.cache_config, "triton", decode_method=True, **folds)
         last = "decode_rope" if folds else "specialize_width"
         return program.pass_results[last]
 
-    folded = decode_program(decode_gemv=True, decode_rope=True)
-    plain = decode_program()
+    folded = decode_program("bfloat16", decode_gemv=True, decode_rope=True)
+    plain = decode_program("bfloat16")
+    oracle = decode_program("float32")
     assert folded.produced == 3
+    assert folded.program.graph_module.code.count("triton_gemv") > 0
     args, _ = plain.program.example_inputs
     gen = torch.Generator(device="cuda").manual_seed(0)
     args = [a.normal_(generator=gen) if a.is_floating_point() else a for a in (x.clone() for x in args)]
@@ -237,13 +247,18 @@ def test_decode_folds_compute_the_same_step_on_cuda(tmp_path):
     # rotation is the identity and the step attends only to itself)
     args[1] = torch.full_like(args[1], rows - 7)
     a, b = [x.clone() for x in args], [x.clone() for x in args]
+    c = [x.float() if x.is_floating_point() else x.clone() for x in args]
+
     def logits(program, args):
         out = program.module()(*args)
-        return (out[0] if isinstance(out, (tuple, list)) else out).float()
+        return (out[0] if isinstance(out, (tuple, list)) else out).double()
 
+    exact = logits(oracle.program, c)
     got, want = logits(folded.program, a), logits(plain.program, b)
-    rel = ((got - want).norm() / want.norm()).item()
-    assert rel < 2e-2, rel
+    err_folded = ((got - exact).norm() / exact.norm()).item()
+    err_plain = ((want - exact).norm() / exact.norm()).item()
+    assert err_plain < 3e-2, err_plain  # the oracle is one: bf16 rounding, not a different program
+    assert err_folded <= 1.25 * err_plain + 1e-3, (err_folded, err_plain)
     for x, y in zip(a[2:], b[2:]):  # the storage: same rows written (keys rotated in the kernel)
         torch.testing.assert_close(x, y, atol=2e-2, rtol=2e-2)
 
