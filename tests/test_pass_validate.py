@@ -53,3 +53,14 @@ def test_graph_without_op_rejected():
     ep = torch.export.export(torch.nn.Linear(4, 4), (torch.randn(2, 4),))
     with pytest.raises(ExportError, match="no offgraph::update_and_attend"):
         validate_kv_sites(ep)
+
+
+@pytest.mark.parametrize("scale", [True, float("nan"), float("inf")])
+def test_scale_that_is_not_a_finite_float_rejected(scale):
+    """A graph (hand-edited, or from another producer of the op) whose scale is a bool or not
+    finite: each would reach the kernels as a multiplier of every score."""
+    ep = tm.export(tm.Stack(1), X, (1, 0))
+    (node,) = [n for n in ep.graph.nodes if n.op == "call_function" and "update_and_attend" in str(n.target)]
+    node.args = (*node.args[:5], scale, *node.args[6:])
+    with pytest.raises(ExportError, match=r"scale must be a finite constant float, got (True|nan|inf)"):
+        validate_kv_sites(ep)

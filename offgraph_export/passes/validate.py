@@ -9,6 +9,8 @@ validated once, by this pass; whether they agree with a given manifest is the st
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.export import ExportedProgram
 
@@ -38,8 +40,9 @@ def validate_kv_sites(ep: ExportedProgram) -> PassResult[list[KvSite]]:
         if site.layer_id in seen:
             problems.append(f"{name}: layer_id {site.layer_id} already used by {seen[site.layer_id]}")
         seen[site.layer_id] = name
-        if not isinstance(site.scale, (int, float)):
-            problems.append(f"{name}: scale must be a constant float, got {site.scale!r}")
+        if (not isinstance(site.scale, (int, float)) or isinstance(site.scale, bool)
+                or not math.isfinite(site.scale)):
+            problems.append(f"{name}: scale must be a finite constant float, got {site.scale!r}")
         q, k, v, pos = (site.val(n) for n in ("q", "k", "v", "position"))
         if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
             problems.append(
