@@ -16,8 +16,6 @@ half-written artifact at the requested path.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -26,6 +24,7 @@ from torch.export import ExportedProgram
 
 from offgraph_export.compat import unlifted_module
 from offgraph_export.errors import ArtifactError, ExportError
+from offgraph_export.lowering.output_files import publish, staging
 from offgraph_export.specs.artifact import (
     METHOD_KEY,
     PROGRAM_KEY,
@@ -116,11 +115,9 @@ def compile_package(
         raise ExportError(f"artifact path {str(target)!r} must end in .pt2")
     if sorted(programs) != sorted(specs.methods):
         raise ExportError(f"got programs for methods {sorted(programs)}, the specs name {specs.methods}")
-    target.parent.mkdir(parents=True, exist_ok=True)
     # The archive's root folder is named after the file stem, so keep the stem.
-    tmp_dir = Path(tempfile.mkdtemp(prefix=".offgraph-", dir=target.parent))
-    tmp = tmp_dir / target.name
-    try:
+    with staging(target) as tmp_dir:
+        tmp = tmp_dir / target.name
         files: dict[str, list[Any]] = {}
         for method in specs.methods:
             ep = programs[method]
@@ -140,7 +137,5 @@ def compile_package(
         except Exception as exc:
             raise ExportError(f"packaging the compiled methods failed: {exc}") from exc
         write_artifact_specs(tmp, specs)
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+        publish([(tmp, target)], tmp_dir)
     return target

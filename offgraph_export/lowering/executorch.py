@@ -30,13 +30,12 @@ silently keep a stale internal copy, so it is never used.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from torch.export import ExportedProgram
 
 from offgraph_export.errors import ArtifactError, ExportError
+from offgraph_export.lowering.output_files import publish, staging
 from offgraph_export.specs.archive import regular_file
 from offgraph_export.specs.artifact import PROGRAM_KEY, ArtifactSpecs, parse_artifact_specs
 from offgraph_export.specs.manifest import MANIFEST_KEY
@@ -198,19 +197,17 @@ def compile_pte(
     except Exception as exc:  # exir raises many types; keep the cause chained
         raise ExportError(f"ExecuTorch lowering failed: {exc}") from exc
     _verify_delegate_widths(program.buffer, specs)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=".offgraph-", dir=target.parent))
-    try:
-        (tmp_dir / target.name).write_bytes(program.buffer)
+    with staging(target) as tmp_dir:
+        program_file = tmp_dir / target.name
+        program_file.write_bytes(program.buffer)
+        moves = [(program_file, target)]
         if backend == "cuda":
             program.write_tensor_data_to_file(str(tmp_dir))
             blobs = sorted(tmp_dir.glob("*.ptd"))
             if len(blobs) != 1:
                 raise ExportError(f"expected one external data file from the cuda backend, got {[b.name for b in blobs]}")
-            os.replace(blobs[0], data_path(target))
-        os.replace(tmp_dir / target.name, target)
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+            moves.insert(0, (blobs[0], data_path(target)))  # the data first: the program names it
+        publish(moves, tmp_dir)
     return target
 
 
