@@ -113,6 +113,12 @@ def _wrong_dtype(good, tmp):
     return rewrite(good, tmp / "dtype.pt2", specs_edit(lambda s: s["inputs"][0].update(dtype="int32")))
 
 
+def _model_dtype_lie(good, tmp):
+    """bf16 recorded for an f32 artifact: check would cast the eager model to bf16 and compare
+    with bf16's wider tolerance."""
+    return rewrite(good, tmp / "model_dtype.pt2", specs_edit(lambda s: s.update(model_dtype="bfloat16")))
+
+
 def _unknown_dtype(good, tmp):
     return rewrite(good, tmp / "int65.pt2", specs_edit(lambda s: s["inputs"][1].update(dtype="int65")))
 
@@ -183,6 +189,7 @@ HOSTILE = [
     pytest.param(_empty_range, r"min > max", id="min-above-max"),
     pytest.param(_wrong_dtype, r"disagree with the compiled ('model' )?program's own", id="dtype-changed"),
     pytest.param(_unknown_dtype, "int65", id="unknown-dtype"),
+    pytest.param(_model_dtype_lie, "model_dtype 'bfloat16' disagrees with the cache's storage dtype 'float32'", id="model-dtype"),
     pytest.param(_static_dim_changed, r"disagree with the compiled ('model' )?program's own", id="static-dim-changed"),
     pytest.param(_positions_dropped, r"disagree with the compiled ('model' )?program's own", id="positions-dropped"),
     pytest.param(_bound_dropped, r"disagree with the compiled ('model' )?program's own", id="index-bound-dropped"),
@@ -285,6 +292,23 @@ def test_the_model_the_user_names_is_the_one_used(foreign_model_archive):
     proc = cli("check", str(path), "--model", EXAMPLE, "-a", "seed=0", "--steps", "2", check=False)
     assert proc.returncode == 0, proc.stderr
     assert not marker.exists() and not shell_marker.exists()
+
+
+def test_run_takes_the_model_arguments_the_user_gives(foreign_model_archive):
+    """``run`` used the archive's arguments for the model the user names, with no way to choose
+    others (these name a parameter the example's factory does not have)."""
+    path, _, marker, shell_marker = foreign_model_archive
+    proc = cli("run", str(path), "--model", EXAMPLE, "-a", "seed=0", "--tokens", "1,2,3", "--max-new-tokens", "2",
+               check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert not marker.exists() and not shell_marker.exists()
+
+
+def test_recorded_model_arguments_are_said_aloud(example_artifact, tmp_path):
+    archive = rewrite(example_artifact, tmp_path / "args.pt2", specs_edit(lambda s: s.update(model_args={"n_layers": 2})))
+    proc = cli("check", str(archive), "--model", EXAMPLE, "--steps", "1", check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert f"model arguments recorded in {archive}: {{'n_layers': 2}} (give -a NAME=VALUE to choose them)" in proc.stderr
 
 
 def test_recorded_model_opt_in_says_what_it_imports(foreign_model_archive):

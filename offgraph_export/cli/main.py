@@ -114,6 +114,18 @@ def _model_reference(artifact: str, specs, model: str | None, recorded: bool) ->
     return specs.model
 
 
+def _model_args(artifact: str, specs, factory_args: tuple[str, ...]) -> dict:
+    """The factory arguments: those given with ``-a``, or else those the artifact records, said
+    aloud (an archive's arguments shape the model built, e.g. its layer count and memory)."""
+    from offgraph_export.frontends.factory import parse_factory_args
+
+    if factory_args:
+        return parse_factory_args(factory_args)
+    if specs.model_args:
+        _say(f"model arguments recorded in {artifact}: {specs.model_args} (give -a NAME=VALUE to choose them)")
+    return dict(specs.model_args)
+
+
 @click.group(cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="offgraph-export")
 @click.option("--debug", is_flag=True, help="Show the full traceback of an error.")
@@ -288,7 +300,6 @@ def check(artifact, model_factory, recorded_model, steps, prefill_chunks, seed, 
     Exits 0 when every step matches, 1 when any check fails, 2 when the check cannot run."""
     from offgraph_export.check import check_artifact
     from offgraph_export.frontends import load_bundle
-    from offgraph_export.frontends.factory import parse_factory_args
     from offgraph_export.models import cast_bundle
     from offgraph_export.runtime import read_specs
 
@@ -296,8 +307,7 @@ def check(artifact, model_factory, recorded_model, steps, prefill_chunks, seed, 
     if cuda_graphs and specs.device != "cuda":
         raise click.BadParameter("CUDA graphs need a cuda artifact", param_hint="'--cuda-graphs'")
     factory = _model_reference(artifact, specs, model_factory, recorded_model)
-    args = parse_factory_args(factory_args) if factory_args else dict(specs.model_args)
-    bundle = cast_bundle(load_bundle(factory, **args), specs.model_dtype)
+    bundle = cast_bundle(load_bundle(factory, **_model_args(artifact, specs, factory_args)), specs.model_dtype)
     _say(f"checking {artifact} against {factory} on {specs.device}")
     report = check_artifact(artifact, bundle, decode_steps=steps, prefill_chunks=prefill_chunks, seed=seed,
                             cuda_graphs=cuda_graphs)
@@ -313,9 +323,10 @@ def check(artifact, model_factory, recorded_model, steps, prefill_chunks, seed, 
 @click.option("--max-new-tokens", default=32, show_default=True, type=POSITIVE)
 @click.option("--model", "model_factory", metavar="REF", help="The model whose tokenizer and input builder to use: hf:DIR, FILE.py:FUNCTION or package.module:FUNCTION.")
 @click.option("--recorded-model", is_flag=True, help="Import the model the artifact records instead (says what it imports).")
+@click.option("-a", "--arg", "factory_args", multiple=True, metavar="NAME=VALUE", help="Model argument (default: those recorded at export).")
 @click.option("--cuda-graphs", is_flag=True, help="Replay decode steps as CUDA graphs (cuda artifacts).")
 @click.option("--json", "as_json", is_flag=True, help="Print tokens, text and metrics as JSON.")
-def run(artifact, prompt, tokens, max_new_tokens, model_factory, recorded_model, cuda_graphs, as_json):
+def run(artifact, prompt, tokens, max_new_tokens, model_factory, recorded_model, factory_args, cuda_graphs, as_json):
     """Greedy generation from ARTIFACT with a session-owned cache."""
     from offgraph_export.frontends import load_bundle
     from offgraph_export.generate import generate
@@ -335,7 +346,7 @@ def run(artifact, prompt, tokens, max_new_tokens, model_factory, recorded_model,
     if cuda_graphs and specs.device != "cuda":
         raise click.BadParameter("CUDA graphs need a cuda artifact", param_hint="'--cuda-graphs'")
     factory = _model_reference(artifact, specs, model_factory, recorded_model)
-    bundle = load_bundle(factory, **specs.model_args)
+    bundle = load_bundle(factory, **_model_args(artifact, specs, factory_args))
     if prompt is not None:
         if bundle.encode is None:
             raise OffgraphError(f"{factory} has no tokenizer; use --tokens")

@@ -151,6 +151,13 @@ class ArtifactSpecs(BaseModel):
                 "the dynamic token dimension"
             )
         self.manifest.check_follows(n)
+        if self.model_dtype is not None and self.model_dtype != self.manifest.storage_dtype:
+            # export casts the model and its cache to one dtype; a check would compare against the
+            # eager model in the recorded one, with that dtype's tolerance
+            raise ValueError(
+                f"model_dtype {self.model_dtype!r} disagrees with the cache's storage dtype "
+                f"{self.manifest.storage_dtype!r}: an exported model computes and stores in one dtype"
+            )
         width_range = self.symbols.get(extent)
         if width_range is None:
             raise ValueError(f"the token width symbol {extent!r} has no range in symbols")
