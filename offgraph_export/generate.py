@@ -33,7 +33,8 @@ def generate(
     max_new_tokens: int,
     on_token: Callable[[int], None] | None = None,
 ) -> GenerationResult:
-    """Feed ``prompt`` in chunks of at most ``max_write`` tokens, then decode greedily."""
+    """Feed ``prompt`` in chunks of at most ``max_write`` tokens, then decode greedily. Flat
+    storage is reserved for the whole generation first (``Session.reserve``)."""
     if not prompt:
         raise OffgraphError("the prompt is empty: give at least one token")
     manifest = session.specs.manifest
@@ -43,6 +44,8 @@ def generate(
             f"{len(prompt)} prompt tokens and {max_new_tokens} new ones need {written} tokens of cache; "
             f"the artifact holds at most {manifest.max_capacity}: shorten them or export with a larger --max-capacity"
         )
+    if manifest.has_flat:  # what the whole generation needs, allocated once: no growth midway
+        session.reserve(written)
     device = session.artifact.device
     batch = manifest.batch_size
     ids = torch.tensor([list(prompt)] * batch, dtype=torch.int64, device=device)

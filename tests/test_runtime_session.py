@@ -10,7 +10,7 @@ import weakref
 import pytest
 import torch
 
-from offgraph_export.errors import StepFailed, StepRefused
+from offgraph_export.errors import CacheOverflowError, OffgraphError, StepFailed, StepRefused
 from offgraph_export.generate import generate
 from offgraph_export.reference import ReferenceCaches
 from offgraph_export.runtime import Artifact, Session, default_allocator
@@ -369,3 +369,49 @@ def test_generate_session_state(loaded_example, example_bundle):
     assert seen == result.new_tokens and len(seen) == 4
     assert session.committed_length == 5 + 3  # the last token is returned, not fed
     assert session.metrics().steps == 1 + 3
+
+
+def test_generate_reserves_what_it_needs_once(loaded_example, example_bundle):
+    """40 prompt tokens and 30 new ones write 69 rows: one allocation of exactly 69 rows up
+    front instead of growing 16 -> 32 -> 64 -> 128 along the way."""
+    session = loaded_example.new_session()
+    generate(session, example_bundle.make_inputs, tokens_for(13, 40)[0].tolist(), 30)
+    m = session.metrics()
+    assert (m.committed_length, m.capacity, m.growth_count) == (69, 69, 1)
+
+
+def test_reserve_then_steps_match_eager_without_growing(loaded_example, example_bundle):
+    session = loaded_example.new_session()
+    oracle = Oracle(example_bundle, loaded_example.specs.manifest)
+    tokens = tokens_for(8, 50)
+    session.step(*example_bundle.make_inputs(tokens[:, :10], 0))
+    oracle.step(tokens[:, :10])
+    assert session.reserve(50) and session.storage.capacity == 50  # history copied into 50 rows
+    assert not session.reserve(20)
+    for start, chunk in chunks(tokens[:, 10:], [32, 1, 7]):
+        (got,) = session.step(*example_bundle.make_inputs(chunk, 10 + start))
+        torch.testing.assert_close(got, oracle.step(chunk), atol=ATOL, rtol=RTOL)
+    assert session.metrics().growth_count == 1 and session.storage.capacity == 50
+
+
+def test_reserve_refusals(loaded_example):
+    session = loaded_example.new_session()
+    maximum = loaded_example.specs.manifest.max_capacity
+    with pytest.raises(CacheOverflowError, match=f"{maximum + 1} tokens exceed the session's max capacity of {maximum}"):
+        session.reserve(maximum + 1)
+    for bad in (-1, True, 2.5):
+        with pytest.raises(OffgraphError, match="reserve takes a token count >= 0"):
+            session.reserve(bad)
+
+    def allocator(shape, dtype, device):
+        if shape[2] == 100:
+            torch.empty(2**60, dtype=dtype, device=device)  # a real out-of-memory error
+        return default_allocator(shape, dtype, device)
+
+    failing = loaded_example.new_session(allocator=allocator)
+    with pytest.raises(StepRefused, match="could not reserve storage for 100 tokens .cache unchanged.: .*can't allocate"):
+        failing.reserve(100)
+    assert failing.storage.capacity == loaded_example.specs.manifest.initial_capacity
+    session.close()
+    with pytest.raises(StepRefused, match="closed"):
+        session.reserve(10)

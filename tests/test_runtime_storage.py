@@ -381,3 +381,40 @@ def test_allocated_bytes(dtype, size):
     assert s.allocated_bytes() == expected(40)
     s.release()
     assert s.allocated_bytes() == 0 and s.bound() == []
+
+
+# -- reserving a known length ---------------------------------------------------------------------
+
+
+def test_reserve_grows_to_exactly_the_tokens_asked_and_keeps_the_history():
+    gen = torch.Generator().manual_seed(5)
+    s = SessionStorage(make_manifest(initial=16, maximum=256), "cpu")
+    fill_rows(s, 0, 16, gen)
+    before = {k: s.tensors[k][:, :, :16].clone() for k in flat_keys(s)}
+    rings = {k: t for k, t in s.tensors.items() if k not in flat_keys(s)}
+    assert s.reserve(37, committed_length=16)  # not doubled to 32 or 74: exactly 37 rows
+    assert s.capacity == 37 and s.growth_count == 1
+    for k in flat_keys(s):
+        assert s.tensors[k].shape[2] == 37
+        assert bit_equal(s.tensors[k][:, :, :16], before[k])
+    assert all(s.tensors[k] is t for k, t in rings.items())  # rings never move
+    assert not s.reserve(20, committed_length=16) and s.capacity == 37  # already holds it
+    assert not s.ensure(37, committed_length=16) and s.growth_count == 1  # steps up to it never grow
+
+
+def test_reserve_past_the_max_capacity_raises_and_changes_nothing():
+    s = SessionStorage(make_manifest(initial=16, maximum=100), "cpu")
+    tensors = dict(s.tensors)
+    with pytest.raises(CacheOverflowError, match="101 tokens exceed the session's max capacity of 100"):
+        s.reserve(101, committed_length=0)
+    assert s.capacity == 16 and s.tensors == tensors and s.growth_count == 0
+
+
+def test_reserve_failure_is_transactional():
+    alloc = FailingAllocator(8, "oom")
+    s = SessionStorage(make_manifest(initial=16), "cpu", allocator=alloc)
+    tensors = dict(s.tensors)
+    with pytest.raises(RuntimeError, match="can't allocate memory"):
+        s.reserve(64, committed_length=0)
+    assert s.capacity == 16 and s.growth_count == 0
+    assert all(s.tensors[k] is t for k, t in tensors.items())

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from pydantic import BaseModel
 
-from offgraph_export.errors import StepFailed, StepRefused
+from offgraph_export.errors import CacheOverflowError, OffgraphError, StepFailed, StepRefused
 from offgraph_export.runtime.admission import Admission
 from offgraph_export.runtime.artifact import Artifact
 from offgraph_export.runtime.input_values import InputValues
@@ -181,6 +181,23 @@ class Session:
         return outputs
 
     # -- lifecycle ------------------------------------------------------------------------------
+    def reserve(self, tokens: int) -> bool:
+        """Grow flat storage now to hold ``tokens`` tokens in all (history included), exactly that
+        many rows, instead of doubling as steps need more: a caller that knows the session's length
+        (a prompt and how many tokens to generate) allocates what it needs and never moves storage
+        mid-generation. Returns whether storage moved. Raises :class:`CacheOverflowError` past the
+        max capacity and :class:`StepRefused` (storage unchanged) when the allocation fails."""
+        if self.closed:
+            raise StepRefused("this session is closed; open a new one with artifact.new_session()")
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise OffgraphError(f"reserve takes a token count >= 0, got {tokens!r}")
+        try:
+            return self.storage.reserve(tokens, self.committed_length)
+        except CacheOverflowError:
+            raise
+        except Exception as exc:  # the allocator may raise anything (OOM, ...): storage unchanged
+            raise StepRefused(f"could not reserve storage for {tokens} tokens (cache unchanged): {exc}") from exc
+
     def reset(self) -> None:
         """Forget the history; storage (and its capacity) is kept for reuse."""
         if self.closed:

@@ -1,7 +1,8 @@
 """Per-session KV storage: allocation, geometric transactional growth, binding order, metrics.
 
 Flat layers share one capacity (rows) that grows as ``min(max, max(required, 2 x current))``
-from the manifest's initial capacity. Growth is transactional: every new tensor is allocated
+from the manifest's initial capacity, or, when a caller knows how long the session will get
+(``reserve``), to exactly that many rows at once. Growth is transactional: every new tensor is allocated
 first, live rows are copied, and only then are the new tensors swapped in; if any allocation or
 copy fails the session's storage is exactly what it was. Ring layers never move. Shapes, row
 counts and which layer owns which input are the manifest's rules
@@ -94,12 +95,29 @@ class SessionStorage:
         Returns whether storage moved. Raises :class:`CacheOverflowError` past ``max_capacity``."""
         if not self.manifest.has_flat or required <= self.capacity:
             return False
-        maximum = self.manifest.max_capacity
-        if required > maximum:
+        self._check_fits(required)
+        self._move(grown_capacity(self.capacity, required, self.manifest.max_capacity), committed_length)
+        return True
+
+    def reserve(self, tokens: int, committed_length: int) -> bool:
+        """Make flat capacity >= ``tokens``, growing to exactly ``tokens`` rows (no doubling), so
+        that steps up to that length never move storage. Returns whether storage moved. Raises
+        :class:`CacheOverflowError` past ``max_capacity``."""
+        if not self.manifest.has_flat or tokens <= self.capacity:
+            return False
+        self._check_fits(tokens)
+        self._move(tokens, committed_length)
+        return True
+
+    def _check_fits(self, tokens: int) -> None:
+        if tokens > self.manifest.max_capacity:
             raise CacheOverflowError(
-                f"{required} tokens exceed the session's max capacity of {maximum}"
+                f"{tokens} tokens exceed the session's max capacity of {self.manifest.max_capacity}"
             )
-        new_capacity = grown_capacity(self.capacity, required, maximum)
+
+    def _move(self, new_capacity: int, committed_length: int) -> None:
+        """Flat storage of ``new_capacity`` rows holding rows ``[0, committed_length)``, swapped in
+        only after every tensor is allocated and copied (the allocator may raise anything)."""
         staged: dict[tuple[int, Which], torch.Tensor] = {}
         for key, storage in zip(self._keys, self._inputs):  # allocate and copy before touching state
             if not self._grows(storage):
@@ -112,7 +130,6 @@ class SessionStorage:
         self.capacity = new_capacity
         self.growth_count += 1
         self.generation += 1
-        return True
 
     def release(self) -> None:
         """Drop every storage tensor (the session is closing)."""
