@@ -113,6 +113,36 @@ def _wrong_dtype(good, tmp):
     return rewrite(good, tmp / "dtype.pt2", specs_edit(lambda s: s["inputs"][0].update(dtype="int32")))
 
 
+def _patched_headers(good, dst, local=None, central=None):
+    """``good`` with ``local(data, offset)`` applied at every local file header and ``central``
+    at every central directory header (byte-level edits zipfile would never write)."""
+    data = bytearray(good.read_bytes())
+    for signature, patch in ((b"PK\x03\x04", local), (b"PK\x01\x02", central)):
+        i = data.find(signature)
+        while patch is not None and i >= 0:
+            patch(data, i)
+            i = data.find(signature, i + 4)
+    dst.write_bytes(bytes(data))
+    return dst
+
+
+def _zip_version(good, tmp):  # "version needed to extract" 25.5: zipfile raises NotImplementedError
+    return _patched_headers(good, tmp / "version.pt2", central=lambda d, i: d.__setitem__(i + 6, 255))
+
+
+def _encrypted(good, tmp):  # the encryption flag: zipfile raises RuntimeError on reading
+    def flag(offset):
+        return lambda d, i: d.__setitem__(i + offset, d[i + offset] | 1)
+
+    return _patched_headers(good, tmp / "encrypted.pt2", local=flag(6), central=flag(8))
+
+
+def _not_utf8_name(good, tmp):  # the UTF-8 name flag on names that are not: UnicodeDecodeError
+    data = good.read_bytes().replace(b"archive_format", b"archive_for\xff\xfe\xfd")
+    (tmp / "latin.pt2").write_bytes(data)
+    return _patched_headers(tmp / "latin.pt2", tmp / "utf8.pt2", central=lambda d, i: d.__setitem__(i + 9, d[i + 9] | 0x08))
+
+
 def _model_dtype_lie(good, tmp):
     """bf16 recorded for an f32 artifact: check would cast the eager model to bf16 and compare
     with bf16's wider tolerance."""
@@ -189,6 +219,9 @@ HOSTILE = [
     pytest.param(_empty_range, r"min > max", id="min-above-max"),
     pytest.param(_wrong_dtype, r"disagree with the compiled ('model' )?program's own", id="dtype-changed"),
     pytest.param(_unknown_dtype, "int65", id="unknown-dtype"),
+    pytest.param(_zip_version, r"not a readable .pt2 archive: NotImplementedError: zip file version", id="zip-version"),
+    pytest.param(_encrypted, r"is corrupt \(RuntimeError: .*encrypted", id="encrypted"),
+    pytest.param(_not_utf8_name, r"not a readable .pt2 archive: UnicodeDecodeError", id="name-not-utf8"),
     pytest.param(_model_dtype_lie, "model_dtype 'bfloat16' disagrees with the cache's storage dtype 'float32'", id="model-dtype"),
     pytest.param(_static_dim_changed, r"disagree with the compiled ('model' )?program's own", id="static-dim-changed"),
     pytest.param(_positions_dropped, r"disagree with the compiled ('model' )?program's own", id="positions-dropped"),

@@ -118,7 +118,7 @@ def load_method_weights(
                     files[view.file] = loaded
     except ArtifactError:
         raise
-    except (OSError, RuntimeError, *UNREADABLE_MEMBER) as exc:
+    except (OSError, *UNREADABLE_MEMBER) as exc:
         raise ArtifactError(f"{source}: cannot read the weights: {exc}") from exc
     out: dict[str, dict[str, torch.Tensor]] = {}
     for method, views in configs.items():

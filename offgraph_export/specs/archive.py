@@ -16,6 +16,7 @@ import re
 import stat
 import zipfile
 import zlib
+from collections import Counter
 from pathlib import Path
 
 from offgraph_export.errors import ArtifactError
@@ -81,9 +82,12 @@ def regular_file(path: str | os.PathLike) -> Path:
     return target
 
 
-#: What reading a damaged member raises besides BadZipFile: a corrupt deflate stream (zlib.error),
-#: a compression method zipfile lacks (NotImplementedError), a truncated one (EOFError).
-UNREADABLE_MEMBER = (zipfile.BadZipFile, zlib.error, NotImplementedError, EOFError)
+#: What opening or reading a damaged or hostile archive raises besides OSError: BadZipFile, a
+#: corrupt deflate stream (zlib.error), a compression method or zip version zipfile lacks
+#: (NotImplementedError), a truncated member (EOFError), an encrypted one (RuntimeError), a name
+#: flagged UTF-8 that is not (UnicodeDecodeError, a ValueError). A block catching these must let
+#: the project's own ArtifactError (a RuntimeError) through first.
+UNREADABLE_MEMBER = (zipfile.BadZipFile, zlib.error, NotImplementedError, EOFError, RuntimeError, ValueError)
 
 
 def check_archive(path: str | os.PathLike, verify_crc: bool = True) -> list[zipfile.ZipInfo]:
@@ -101,7 +105,7 @@ def check_archive(path: str | os.PathLike, verify_crc: bool = True) -> list[zipf
                         f"{source}: archive entry {info.filename!r} is a link or special file; "
                         "refusing to load it"
                     )
-            duplicates = sorted({n for n in names if names.count(n) > 1})
+            duplicates = sorted(n for n, count in Counter(names).items() if count > 1)
             if duplicates:
                 raise ArtifactError(f"{source}: archive entries {duplicates} appear more than once")
             root = archive_root(names, source)
@@ -120,10 +124,12 @@ def check_archive(path: str | os.PathLike, verify_crc: bool = True) -> list[zipf
                         raise ArtifactError(
                             f"{source}: archive entry {info.filename!r} is corrupt ({type(exc).__name__}: {exc})"
                         ) from exc
-    except zipfile.BadZipFile as exc:
-        raise ArtifactError(f"{source} is not a readable .pt2 archive: {exc}") from exc
+    except ArtifactError:
+        raise
     except OSError as exc:
         raise ArtifactError(f"{source} cannot be read: {exc}") from exc
+    except UNREADABLE_MEMBER as exc:
+        raise ArtifactError(f"{source} is not a readable .pt2 archive: {type(exc).__name__}: {exc}") from exc
     return infos
 
 
