@@ -5,15 +5,25 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import get_args
 
 import torch
 
 from offgraph_export.errors import OffgraphError
 from offgraph_export.reference.oracle import Oracle, ReferenceOracle
 from offgraph_export.specs.cache_config import CacheConfig
-from offgraph_export.specs.manifest import CacheManifest
+from offgraph_export.specs.manifest import CacheManifest, StorageDtype
 
-__all__ = ["ModelBundle", "cast_bundle"]
+__all__ = ["ModelBundle", "cast_bundle", "model_dtype"]
+
+
+def model_dtype(name: object, error: type[OffgraphError] = OffgraphError) -> torch.dtype:
+    """The torch dtype a model may be exported in (the storage dtypes the manifest allows), or
+    ``error`` naming the value."""
+    allowed = get_args(StorageDtype)
+    if not isinstance(name, str) or name not in allowed:
+        raise error(f"dtype {name!r} is not one a model is exported in ({', '.join(allowed)})")
+    return getattr(torch, name)
 
 
 @dataclass
@@ -56,11 +66,6 @@ def cast_bundle(bundle: ModelBundle, dtype: str | None) -> ModelBundle:
     weights first would double a large model's memory."""
     if dtype is None:
         return bundle
-    torch_dtype = getattr(torch, dtype, None)
-    if not isinstance(torch_dtype, torch.dtype) or not torch_dtype.is_floating_point:
-        raise OffgraphError(f"dtype {dtype!r} is not a floating torch dtype (float32, float16, bfloat16)")
-    return replace(
-        bundle,
-        model=bundle.model.to(torch_dtype),
-        cache_config=bundle.cache_config.with_overrides(storage_dtype=dtype),  # type: ignore[arg-type]
-    )
+    torch_dtype = model_dtype(dtype)
+    cache_config = bundle.cache_config.with_overrides(storage_dtype=dtype)  # refused before any cast
+    return replace(bundle, model=bundle.model.to(torch_dtype), cache_config=cache_config)

@@ -40,7 +40,7 @@ def _cases(tmp_path: Path, artifact: Path) -> dict[str, tuple]:
         "factory-exits-0": _case(["export", _factory(tmp_path, "import sys\ndef build():\n    sys.exit(0)\n"), "-o", out],
                                  "called exit(0)"),
         "factory-missing-file": _case(["export", str(tmp_path / "nope.py") + ":build", "-o", out], "does not exist"),
-        "factory-missing-function": _case(["export", _factory(tmp_path, "x = 1\n"), "-o", out], "has no callable 'build'"),
+        "factory-missing-function": _case(["export", _factory(tmp_path, "x = 1\n"), "-o", out], "has no function 'build'"),
         "unknown-arg-name": _case(["export", EXAMPLE, "-a", "no_such_arg=1", "-o", out], "no_such_arg"),
         "wrongly-typed-arg": _case(["export", EXAMPLE, "-a", "n_layers=many", "-o", out], "model factory"),
         "malformed-arg": _case(["export", EXAMPLE, "-a", "novalue", "-o", out], "NAME=VALUE"),

@@ -245,10 +245,15 @@ def test_length_dependent_rope_is_refused(tmp_path):
     [
         (lambda d: None, "no such checkpoint directory"),
         (lambda d: d.mkdir(), "config.json is missing"),
-        (lambda d: (d.mkdir(), (d / "config.json").write_text("{not json")), "config.json is unreadable"),
+        (lambda d: (d.mkdir(), (d / "config.json").write_text("{not json")), "config.json is not valid JSON"),
         (lambda d: (d.mkdir(), (d / "config.json").write_text('{"model_type": "no-such-arch"}')), "cannot be read as a transformers config"),
+        (lambda d: (d.mkdir(), (d / "config.json").mkdir()), "config.json is not a regular file"),
+        (lambda d: (d.mkdir(), (d / "config.json").write_text('{"a": ' + " " * (1 << 20) + "1}")), "config.json is larger than"),
+        (lambda d: (d.mkdir(), (d / "config.json").write_text("[" * 100_000)), "nests deeper than"),
+        (lambda d: (d.mkdir(), (d / "config.json").write_text('{"a": ' + "9" * 5000 + "}")), "config.json is not a valid spec"),
     ],
-    ids=["missing-dir", "missing-config", "bad-json", "unknown-arch"],
+    ids=["missing-dir", "missing-config", "bad-json", "unknown-arch", "config-not-a-file", "config-too-large",
+         "config-too-deep", "config-huge-integer"],
 )
 def test_bad_directories_are_one_line_errors_naming_the_file(tmp_path, setup, message):
     path = tmp_path / "ckpt"
@@ -258,8 +263,53 @@ def test_bad_directories_are_one_line_errors_naming_the_file(tmp_path, setup, me
     assert str(path) in str(info.value) and "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("weights", ["tf_model.h5", "flax_model.msgpack", "model.gguf",
+                                     "model.safetensors.index.json", "model-00001-of-00002.safetensors"])
+def test_weights_in_a_form_not_read_are_refused_not_replaced_by_random_ones(tmp_path, weights):
+    """Only a directory with no weights at all gets seeded random ones: beside other weight files
+    the export would silently not be the user's model."""
+    transformers.LlamaConfig(**COMMON).save_pretrained(tmp_path)
+    (tmp_path / weights).write_text('{"weight_map": {"lm_head.weight": "model-00001-of-00002.safetensors"}}')
+    with pytest.raises(ExportError, match="only safetensors weights|names the shard"):
+        load_bundle(f"hf:{tmp_path}")
+
+
+def test_an_index_naming_a_shard_outside_the_directory_is_refused(tmp_path):
+    real, ckpt = tmp_path / "real", tmp_path / "ckpt"
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON))
+    model.save_pretrained(real)
+    model.config.save_pretrained(ckpt)
+    (ckpt / "decoy.safetensors").write_bytes(b"")
+    index = {"metadata": {}, "weight_map": {name: "../real/model.safetensors" for name in model.state_dict()}}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ExportError, match=r"names the shard '../real/model.safetensors', which is not a file in the directory"):
+        load_bundle(f"hf:{ckpt}")
+
+
+def test_a_cache_past_the_models_positions_is_refused(tmp_path):
+    ref = _save(tmp_path, transformers.LlamaConfig(**COMMON))  # max_position_embeddings 512
+    with pytest.raises(ExportError, match="max_capacity 1024 is more than the 512 positions the model is defined for"):
+        load_bundle(ref, max_capacity=1024)
+    assert load_bundle(ref, max_capacity=512).cache_config.max_capacity == 512
+
+
+def test_a_window_as_long_as_the_cache_is_flat(tmp_path):
+    """A sliding window at least the capacity never excludes a key: the layer is flat (a ring
+    would hold window + max_write rows, more than the cache ever fills)."""
+    config = transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=WINDOW, layer_types=MIXED)
+    ref = _save(tmp_path, config)
+    assert load_bundle(ref, max_capacity=64).cache_config.ring_windows == {0: WINDOW, 2: WINDOW}
+    assert load_bundle(ref, max_capacity=WINDOW).cache_config.ring_windows == {}
+
+
+def test_inconsistent_cache_arguments_are_refused_not_clamped(tmp_path):
+    ref = _save(tmp_path, transformers.LlamaConfig(**COMMON))
+    with pytest.raises(ExportError, match="invalid cache configuration: .*max_write"):
+        load_bundle(ref, max_capacity=100, max_write=500)
+
+
 def test_pickled_weights_are_not_loaded(tmp_path):
     transformers.LlamaConfig(**COMMON).save_pretrained(tmp_path)
     (tmp_path / "pytorch_model.bin").write_bytes(b"not even a pickle")
-    with pytest.raises(ExportError, match="only safetensors weights are read"):
+    with pytest.raises(ExportError, match=r"only safetensors weights .* are read; found \[.pytorch_model.bin.\]"):
         load_bundle(f"hf:{tmp_path}")

@@ -8,6 +8,7 @@ import contextlib
 import importlib
 import importlib.util
 import inspect
+import math
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -41,22 +42,40 @@ def resolve_factory(spec: str) -> Callable[..., ModelBundle]:
         with _user_code(f"model module {module_part!r}"):
             module = importlib.import_module(module_part)
     factory = getattr(module, func_name, None)
-    if not callable(factory):
-        raise OffgraphError(f"{module_part!r} has no callable {func_name!r}")
+    if factory is None:
+        raise OffgraphError(f"{module_part!r} has no function {func_name!r}")
+    if not inspect.isfunction(factory):  # not a builtin (os:system), class or other callable
+        raise OffgraphError(
+            f"{spec!r} is a {type(factory).__name__}, not a Python function returning a ModelBundle"
+        )
     return factory
 
 
 def parse_factory_args(pairs: list[str] | tuple[str, ...]) -> dict[str, object]:
-    """``["n_layers=3", "ring_window=None"]`` -> ``{"n_layers": 3, "ring_window": None}``."""
+    """``["n_layers=3", "ring_window=None"]`` -> ``{"n_layers": 3, "ring_window": None}``. A value
+    is a Python literal of a kind the artifact can record (int, finite float, bool, None, str) or,
+    when it is not a literal, the text itself; a name given twice, or a container, is refused."""
     out: dict[str, object] = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not key.isidentifier():
             raise OffgraphError(f"factory argument {pair!r} must look like NAME=VALUE")
+        if key in out:
+            raise OffgraphError(f"factory argument {key!r} is given twice")
         try:
-            out[key] = ast.literal_eval(raw)
+            value = ast.literal_eval(raw)
         except (ValueError, SyntaxError):
-            out[key] = raw
+            value = raw
+        except (MemoryError, RecursionError):
+            raise OffgraphError(f"factory argument {key!r}: the value is nested too deeply to read") from None
+        if value is not None and not isinstance(value, (str, int, float)):
+            raise OffgraphError(
+                f"factory argument {key!r}: {type(value).__name__} values are not taken "
+                "(int, float, bool, None or text; quote text that looks like a literal)"
+            )
+        if isinstance(value, float) and not math.isfinite(value):
+            raise OffgraphError(f"factory argument {key!r}: {raw!r} is not a finite number")
+        out[key] = value
     return out
 
 
@@ -83,8 +102,6 @@ def load_factory_bundle(spec: str, **kwargs) -> ModelBundle:
         inspect.signature(factory).bind(**kwargs)
     except TypeError as exc:
         raise OffgraphError(f"model factory {spec!r} does not take these arguments: {exc}") from None
-    except ValueError:  # no signature to check (a builtin): let the call tell
-        pass
     with _user_code(f"model factory {spec!r}"):
         bundle = factory(**kwargs)
     if not isinstance(bundle, ModelBundle):

@@ -1,7 +1,8 @@
 """transformers frontend: ``hf:DIR`` -> a :class:`~offgraph_export.models.ModelBundle`.
 
 DIR is a local checkpoint directory: ``config.json`` plus safetensors weights (and optionally
-tokenizer files), or ``config.json`` alone (weights then random, seeded). Nothing is downloaded:
+tokenizer files), or ``config.json`` alone (weights then random, seeded; a directory holding
+weights in another format is refused, not mistaken for a config-only one). Nothing is downloaded:
 every load is ``local_files_only`` with the hub offline, no remote code runs, and only safetensors
 weights are read (a pickled ``.bin`` is refused).
 
@@ -17,7 +18,8 @@ transformers' attention-function registry (``AttentionInterface``):
   the model is called with ``use_cache=False`` and no cache object: the neutral op is the only
   cache, and the traced graph holds no cache state. Positions are the wrapper's ``[T]`` input.
 * A probe forward records what each layer's own code passes (window, soft-cap, sinks, scaling,
-  shapes, call count). Full layers become flat, sliding-window layers rings of their window.
+  shapes, call count). Full layers become flat, sliding-window layers rings of their window (flat
+  when the window is at least the cache's capacity: it then never excludes a key).
   Features the op cannot express are refused, naming the feature and the layer
   (:func:`refusals`), never exported wrong.
 
@@ -30,20 +32,21 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
-import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from pydantic import ValidationError
 from torch import nn
 
 from offgraph_export.errors import ExportError
-from offgraph_export.models import ModelBundle
+from offgraph_export.models import ModelBundle, model_dtype
 from offgraph_export.ops import update_and_attend
 from offgraph_export.reference.oracle import HeldRows
 from offgraph_export.specs.cache_config import CacheConfig
+from offgraph_export.specs.limits import loads_limited
 
 __all__ = [
     "ATTENTION_NAME",
@@ -275,7 +278,12 @@ def wrap_model(hf_model: nn.Module, source: str = "model") -> tuple[OffgraphCaus
     """The wrapper and its layers' windows; raises :class:`ExportError` listing every refusal."""
     _register_attention()
     hf_model.eval()
-    problems, windows = refusals(hf_model)
+    try:
+        problems, windows = refusals(hf_model)
+    except ExportError:
+        raise
+    except Exception as exc:  # the probe runs the model once on 3 tokens: a broken config fails here
+        raise ExportError(f"{source}: running the model once on 3 tokens failed: {_first_line(exc)}") from exc
     if problems:
         raise ExportError(
             f"{source}: not supported by the neutral KV op: " + "; ".join(problems)
@@ -328,12 +336,52 @@ def _fail(directory: Path, what: str) -> ExportError:
 
 
 def _torch_dtype(dtype: str | None) -> torch.dtype | None:
-    if dtype is None:
-        return None
-    value = getattr(torch, str(dtype), None)
-    if not isinstance(value, torch.dtype) or not value.is_floating_point:
-        raise ExportError(f"dtype {dtype!r} is not a floating torch dtype (float32, float16, bfloat16)")
-    return value
+    return None if dtype is None else model_dtype(dtype, ExportError)
+
+
+#: The largest config.json read (real ones are a few KB).
+_MAX_CONFIG_BYTES = 1 << 20
+#: Weight files transformers could read that this frontend does not: their presence without
+#: safetensors weights is refused rather than mistaken for a config-only directory.
+_OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".index.json")
+
+
+def _safetensors_files(path: Path) -> list[str]:
+    """The safetensors weights of ``path``: ``model.safetensors``, or every shard its index
+    names (each a plain file inside ``path``); [] when there are none."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        if index.stat().st_size > _MAX_CONFIG_BYTES:
+            raise _fail(path, f"{index.name} is larger than {_MAX_CONFIG_BYTES} bytes")
+        try:
+            weight_map = loads_limited(index.read_bytes(), index.name, ExportError).get("weight_map")  # type: ignore[union-attr]
+        except (OSError, AttributeError) as exc:
+            raise _fail(path, f"{index.name} is unreadable: {exc}") from exc
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise _fail(path, f"{index.name} has no weight_map of tensor names to shard files")
+        shards = sorted(set(weight_map.values()))
+        for shard in shards:
+            if Path(shard).name != shard or not (path / shard).is_file():
+                raise _fail(path, f"{index.name} names the shard {shard!r}, which is not a file in the directory")
+        return shards
+    return ["model.safetensors"] if (path / "model.safetensors").is_file() else []
+
+
+def _read_config(path: Path) -> None:
+    """config.json as untrusted input: a regular file of bounded size, bounded JSON."""
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise _fail(path, "config.json is missing")
+    if not config_file.is_file():
+        raise _fail(path, "config.json is not a regular file")
+    if config_file.stat().st_size > _MAX_CONFIG_BYTES:
+        raise _fail(path, f"config.json is larger than {_MAX_CONFIG_BYTES} bytes")
+    try:
+        loads_limited(config_file.read_bytes(), "config.json", ExportError)
+    except OSError as exc:
+        raise _fail(path, f"config.json is unreadable: {exc}") from exc
+    except ExportError as exc:
+        raise _fail(path, str(exc)) from None
 
 
 @dataclass
@@ -348,13 +396,7 @@ def load_hf_model(directory: str | os.PathLike, dtype: str | None = None, seed: 
     path = Path(directory)
     if not path.is_dir():
         raise _fail(path, "no such checkpoint directory")
-    config_file = path / "config.json"
-    try:
-        json.loads(config_file.read_text())
-    except FileNotFoundError:
-        raise _fail(path, "config.json is missing") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _fail(path, f"config.json is unreadable: {exc}") from exc
+    _read_config(path)
     torch_dtype = _torch_dtype(dtype) or torch.float32
     try:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -368,10 +410,11 @@ def load_hf_model(directory: str | os.PathLike, dtype: str | None = None, seed: 
         raise _fail(path, f"config.json cannot be read as a transformers config: {_first_line(exc)}") from exc
     if getattr(config, "is_encoder_decoder", False):
         raise _fail(path, f"not supported by the neutral KV op: encoder-decoder model ({config.model_type})")
-    weights = sorted(p.name for p in path.glob("*.safetensors"))
-    pickled = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
-    if not weights and pickled:
-        raise _fail(path, f"only safetensors weights are read; found pickled weights {pickled}")
+    weights = _safetensors_files(path)
+    others = sorted(p.name for p in path.iterdir() if p.name.endswith(_OTHER_WEIGHTS) or p.suffix == ".safetensors")
+    if not weights and others:  # random weights only for a directory that holds none at all
+        raise _fail(path, f"only safetensors weights (model.safetensors, or shards named by "
+                          f"model.safetensors.index.json) are read; found {others}")
     try:
         if weights:
             model = AutoModelForCausalLM.from_pretrained(
@@ -416,15 +459,29 @@ def load_hf_bundle(
     checkpoint = load_hf_model(directory, dtype, seed)
     model = checkpoint.model
     wrapped, windows = wrap_model(model, f"hf:{directory}")
-    context = getattr(_text_config(model.config), "max_position_embeddings", None) or 8192
-    capacity = max_capacity or min(int(context), 8192)
-    config = CacheConfig(
-        max_capacity=capacity,
-        initial_capacity=min(initial_capacity or 64, capacity),
-        max_write=min(max_write or 128, capacity),
-        storage_dtype=str(next(model.parameters()).dtype).removeprefix("torch."),  # type: ignore[arg-type]
-        ring_windows=windows,
-    )
+    context = getattr(_text_config(model.config), "max_position_embeddings", None)
+    if context is not None and (type(context) is not int or context < 1):
+        raise ExportError(f"hf:{directory}: max_position_embeddings must be a positive integer, got {context!r}")
+    if max_capacity is not None and context is not None and max_capacity > context:
+        raise ExportError(
+            f"hf:{directory}: max_capacity {max_capacity} is more than the {context} positions the model "
+            "is defined for (max_position_embeddings); a larger cache would hold positions it cannot embed"
+        )
+    capacity = max_capacity or min(context or 8192, 8192)
+    # a window at least as long as the cache never excludes a key: such a layer is flat (a ring
+    # would hold its window's rows, more than the cache ever fills)
+    rings = {layer: window for layer, window in windows.items() if window < capacity}
+    try:
+        config = CacheConfig(
+            max_capacity=capacity,
+            initial_capacity=initial_capacity if initial_capacity is not None else min(64, capacity),
+            max_write=max_write if max_write is not None else min(128, capacity),
+            storage_dtype=str(next(model.parameters()).dtype).removeprefix("torch."),  # type: ignore[arg-type]
+            ring_windows=rings,
+        )
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
+        raise ExportError(f"hf:{directory}: invalid cache configuration: {problems}") from None
     if config.max_write < 2:
         raise ExportError(f"hf:{directory}: max_write must be at least 2 to export a dynamic token width")
 
