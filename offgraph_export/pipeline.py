@@ -259,6 +259,34 @@ def lower(
     raise ExportError(f"unknown format {format!r}; expected one of {FORMATS}")
 
 
+def _check_options(format: str, backend: str | None, decode_method: bool, max_autotune: str, max_write: int) -> None:
+    """What :func:`lower` and the trace would refuse, refused before anything is traced."""
+    if format not in FORMATS:
+        raise ExportError(f"unknown format {format!r}; expected one of {FORMATS}")
+    if max_autotune not in AUTOTUNE_CHOICES:
+        raise ExportError(f"unknown max_autotune {max_autotune!r}; expected one of {AUTOTUNE_CHOICES}")
+    if format == "pt2" and max_autotune == "decode" and not decode_method:
+        raise ExportError("max_autotune='decode' tunes the decode method, which this export leaves out; use 'all' or 'none'")
+    if format != "pt2" and (decode_method or max_autotune != "none"):
+        raise ExportError(
+            "the decode method and max-autotune are AOTInductor options; export for the "
+            "executorch format without them"
+        )
+    if max_write < 2:  # the width must be a symbol: a range [1, 1] is a constant to torch.export
+        raise ExportError(f"max_write {max_write} is too small: a step's token width must range over at least [1, 2]")
+
+
+def _fit_width(
+    inputs: tuple[torch.Tensor, ...], token_dims: tuple[int | None, ...], max_write: int, device: str
+) -> tuple[torch.Tensor, ...]:
+    """The example inputs on ``device``, cut along their token dims to at most ``max_write``
+    tokens (a model's example may be wider than the width the export allows)."""
+    return tuple(
+        (x.narrow(d, 0, max_write) if d is not None and x.shape[d] > max_write else x).to(device)
+        for x, d in zip(inputs, token_dims)
+    )
+
+
 def export_and_lower(
     bundle: ModelBundle,
     path: str | Path,
@@ -283,6 +311,8 @@ def export_and_lower(
     method (:func:`default_decode_gemv`, :func:`default_decode_rope`)."""
     pt2 = format == "pt2"
     target_device = device
+    if pt2 and executorch_backend is not None:
+        raise ExportError(f"executorch_backend {executorch_backend!r} applies to the executorch format, not pt2")
     if not pt2:
         device = "cpu"
         if executorch_backend is None:
@@ -296,6 +326,7 @@ def export_and_lower(
         decode_gemv = pt2 and default_decode_gemv(target_device, decode_method)
     if decode_rope is None:
         decode_rope = pt2 and default_decode_rope(target_device, decode_method, impl)
+    _check_options(format, executorch_backend, decode_method, max_autotune, bundle.cache_config.max_write)
     if decode_gemv and not (pt2 and default_decode_gemv(target_device, decode_method)):
         raise ExportError("the GEMV projections are a cuda kernel for the pt2 decode method; export for cuda with decode_method=True")
     if decode_rope and not (pt2 and default_decode_rope(target_device, decode_method, impl)):
@@ -304,7 +335,7 @@ def export_and_lower(
             "decode_method=True and the triton step"
         )
     model = bundle.model.to(device).requires_grad_(False)
-    inputs = tuple(x.to(device) for x in bundle.example_inputs)
+    inputs = _fit_width(bundle.example_inputs, bundle.token_dims, bundle.cache_config.max_write, device)
     timings: dict[str, float] = {}
     progress("exporting")
     t0 = time.perf_counter()

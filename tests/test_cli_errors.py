@@ -44,6 +44,12 @@ def _cases(tmp_path: Path, artifact: Path) -> dict[str, tuple]:
         "unknown-arg-name": _case(["export", EXAMPLE, "-a", "no_such_arg=1", "-o", out], "no_such_arg"),
         "wrongly-typed-arg": _case(["export", EXAMPLE, "-a", "n_layers=many", "-o", out], "model factory"),
         "malformed-arg": _case(["export", EXAMPLE, "-a", "novalue", "-o", out], "NAME=VALUE"),
+        "container-arg": _case(["export", EXAMPLE, "-a", "n_layers=[1, 2]", "-o", out], "list values are not taken"),
+        "infinite-arg": _case(["export", EXAMPLE, "-a", "n_layers=1e999", "-o", out], "'1e999' is not a finite number"),
+        "arg-given-twice": _case(["export", EXAMPLE, "-a", "n_layers=1", "-a", "n_layers=2", "-o", out], "given twice"),
+        "builtin-factory": _case(["export", "os:system", "-a", f"command='touch {tmp_path / 'ran'}'", "-o", out],
+                                 "'os:system' is a builtin_function_or_method, not a Python function"),
+        "class-factory": _case(["export", _factory(tmp_path, "class build:\n    pass\n"), "-o", out], "is a type, not a Python function"),
         "output-not-pt2": _case(["export", EXAMPLE, "-o", str(tmp_path / "out.zip")], "must end in .pt2"),
         "output-under-a-file": _case(["export", EXAMPLE, "-o", str(a_file / "x.pt2")], "not a writable directory"),
         "output-is-a-directory": _case(["export", EXAMPLE, "-o", str(tmp_path / "dir.pt2")], "is a directory"),
@@ -61,6 +67,11 @@ def _cases(tmp_path: Path, artifact: Path) -> dict[str, tuple]:
             ["export", EXAMPLE, "-o", str(tmp_path / "x.pte"), "--format", "executorch", "--decode-method"],
             "--decode-method and --max-autotune are AOTInductor options",
         ),
+        "max-write-1": _case(["export", EXAMPLE, "-o", out, "--max-write", "1"], "max_write 1 is too small"),
+        "autotune-decode-without-decode-method": _case(["export", EXAMPLE, "-o", out, "--max-autotune", "decode"],
+                                                       "tunes the decode method, which this export leaves out"),
+        "backend-with-pt2": _case(["export", EXAMPLE, "-o", out, "--executorch-backend", "xnnpack"],
+                                  "applies to the executorch format, not pt2"),
         "gemv-on-cpu": _case(["export", EXAMPLE, "-o", out, "--decode-gemv"], "--decode-gemv is a cuda kernel"),
         "rope-on-cpu": _case(["export", EXAMPLE, "-o", out, "--decode-rope"], "--decode-rope folds the rotary"),
         "unknown-command": _case(["frobnicate"], "No such command"),
@@ -104,8 +115,15 @@ CASE_NAMES = [
     "check-missing-artifact", "run-zero-new-tokens", "run-prompt-and-tokens", "run-bad-tokens",
     "run-token-outside-vocabulary", "check-prefill-past-capacity", "run-past-capacity", "run-token-beyond-int64",
     "inspect-fifo", "inspect-directory", "hf-missing-directory",
-    "hf-unknown-option", "cuda-without-gpu",
+    "hf-unknown-option", "cuda-without-gpu", "container-arg", "infinite-arg", "arg-given-twice",
+    "builtin-factory", "class-factory", "max-write-1", "autotune-decode-without-decode-method",
+    "backend-with-pt2",
 ]
+
+
+def test_every_case_is_run(tmp_path, example_artifact):
+    """A case added to ``_cases`` but not named here would never run."""
+    assert set(_cases(tmp_path, example_artifact)) <= set(CASE_NAMES)
 
 
 @pytest.mark.parametrize("name", CASE_NAMES)

@@ -97,8 +97,12 @@ def test_every_delegate_carries_its_own_specs_read_back_from_the_program(example
 
 
 def test_portable_only_pte_passes_the_check_too(tmp_path):
+    """With a --max-write of 3, narrower than the example's 4 tokens: the example is cut to fit
+    (it was traced at 4 tokens against a width range of [1, 3], and torch.export refused)."""
     out = tmp_path / "portable.pte"
-    cli("export", EXAMPLE, "-o", str(out), "--format", "executorch", "--executorch-backend", "portable")
+    cli("export", EXAMPLE, "-o", str(out), "--format", "executorch", "--executorch-backend", "portable",
+        "--max-write", "3")
+    assert read_pte_specs(out).manifest.max_write == 3
     proc = cli("check", str(out), "--model", EXAMPLE, "--steps", "4")
     assert "PASSED" in proc.stdout
 

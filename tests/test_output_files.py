@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from offgraph_export.errors import ExportError
 from offgraph_export.lowering.output_files import publish, staging
 
 
@@ -61,3 +62,18 @@ def test_publish_removes_a_new_file_that_had_no_predecessor(tmp_path):
             (tmp_dir / "d").write_bytes(b"new data")
             publish([(tmp_dir / "d", out / "model.ptd"), (tmp_dir / "p", out / "model.pte")], tmp_dir)
     assert not out.exists()  # the file put there taken back, then the folder created for it
+
+
+def test_a_directory_at_a_target_is_refused_and_kept(tmp_path):
+    """A folder where the .ptd (or .pte) goes was moved aside into the staging folder and removed
+    with it, contents and all."""
+    out = tmp_path / "out"
+    (out / "model.ptd").mkdir(parents=True)
+    (out / "model.ptd" / "notes.txt").write_text("important")
+    with pytest.raises(ExportError, match="model.ptd' : it is a directory|model.ptd': it is a directory"):
+        with staging(out / "model.pte") as tmp_dir:
+            (tmp_dir / "d").write_bytes(b"data")
+            (tmp_dir / "p").write_bytes(b"program")
+            publish([(tmp_dir / "d", out / "model.ptd"), (tmp_dir / "p", out / "model.pte")], tmp_dir)
+    assert (out / "model.ptd" / "notes.txt").read_text() == "important"
+    assert sorted(p.name for p in out.iterdir()) == ["model.ptd"]

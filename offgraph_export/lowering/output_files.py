@@ -16,6 +16,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from offgraph_export.errors import ExportError
+
 __all__ = ["staging", "publish"]
 
 
@@ -54,7 +56,11 @@ def staging(target: Path) -> Iterator[Path]:
 def publish(moves: Sequence[tuple[Path, Path]], backup_dir: Path) -> None:
     """Move each staged file onto its target, in order, all or none: a target that existed is
     first moved into ``backup_dir`` (the staging folder), and when a later move fails every
-    target already moved is put back as it was before the error propagates."""
+    target already moved is put back as it was before the error propagates. A target that is a
+    directory is refused before anything moves (:class:`ExportError`)."""
+    for _, target in moves:  # a folder there would be moved aside and removed with the staging
+        if os.path.isdir(target) and not os.path.islink(target):
+            raise ExportError(f"cannot write {str(target)!r}: it is a directory")
     done: list[tuple[Path, Path | None]] = []
     try:
         for i, (source, target) in enumerate(moves):
