@@ -143,6 +143,14 @@ def _not_utf8_name(good, tmp):  # the UTF-8 name flag on names that are not: Uni
     return _patched_headers(tmp / "latin.pt2", tmp / "utf8.pt2", central=lambda d, i: d.__setitem__(i + 9, d[i + 9] | 0x08))
 
 
+def _coerced_bool(good, tmp):
+    return rewrite(good, tmp / "coerced.pt2", specs_edit(lambda s: s.update(decode_method="yes")))
+
+
+def _nan_model_arg(good, tmp):  # json.dumps writes NaN; it would come back as null
+    return rewrite(good, tmp / "nan.pt2", specs_edit(lambda s: s.update(model_args={"scale": float("nan")})))
+
+
 def _model_dtype_lie(good, tmp):
     """bf16 recorded for an f32 artifact: check would cast the eager model to bf16 and compare
     with bf16's wider tolerance."""
@@ -222,6 +230,8 @@ HOSTILE = [
     pytest.param(_zip_version, r"not a readable .pt2 archive: NotImplementedError: zip file version", id="zip-version"),
     pytest.param(_encrypted, r"is corrupt \(RuntimeError: .*encrypted", id="encrypted"),
     pytest.param(_not_utf8_name, r"not a readable .pt2 archive: UnicodeDecodeError", id="name-not-utf8"),
+    pytest.param(_coerced_bool, r"decode_method\s+Input should be a valid boolean", id="coerced-bool"),
+    pytest.param(_nan_model_arg, "NaN is not a JSON number", id="nan-model-arg"),
     pytest.param(_model_dtype_lie, "model_dtype 'bfloat16' disagrees with the cache's storage dtype 'float32'", id="model-dtype"),
     pytest.param(_static_dim_changed, r"disagree with the compiled ('model' )?program's own", id="static-dim-changed"),
     pytest.param(_positions_dropped, r"disagree with the compiled ('model' )?program's own", id="positions-dropped"),

@@ -415,3 +415,51 @@ def test_storage_indices_must_be_k_then_v_in_layer_order():
     layer["k"]["index"], layer["v"]["index"] = layer["v"]["index"], layer["k"]["index"]
     with pytest.raises(SpecError, match="K then V per layer"):
         parse_manifest(json.dumps(_manifest(layers=[layer]))).check_follows(2)
+
+
+# --- sizes past what the kernels and torch can index; loose types; JSON Python takes and JSON does not
+
+
+@pytest.mark.parametrize(("change", "fragment"), [
+    (lambda m: m["layers"][1].update(window=2**70), "less than or equal to 2147483647"),
+    (lambda m: m["layers"][1].update(window=2**31 - 1), "storage rows; at most 2147483647"),  # + max_write - 1
+    (lambda m: m["layers"][0].update(kv_heads=2**40), "less than or equal to 2147483647"),
+    (lambda m: m.update(batch_size=2**64), "less than or equal to 2147483647"),
+    (lambda m: m.update(max_capacity=2**31), "less than or equal to 2147483647"),
+    (lambda m: m.update(batch_size=2**20, max_capacity=2**30), "elements at max_capacity"),
+], ids=["huge-window", "ring-rows-past-int32", "huge-heads", "huge-batch", "capacity-past-int32", "huge-tensor"])
+def test_sizes_beyond_int32_or_torch_are_refused(change, fragment):
+    data = _manifest()
+    change(data)
+    _rejected(data, fragment)
+
+
+@pytest.mark.parametrize("change", [
+    lambda m: m.update(max_capacity="256"),
+    lambda m: m.update(batch_size=1.0),
+    lambda m: m["layers"][0].update(kv_heads=True),
+    lambda m: m["layers"][0].update(layer_id="0"),
+    lambda m: m["layers"][0]["k"].update(index="2"),
+], ids=["string-int", "float-int", "bool-int", "string-layer-id", "string-index"])
+def test_integers_must_be_json_integers(change):
+    """A reader written against the contract would refuse (or misread) these; this one coerced
+    them, so the archive-vs-metadata comparison could not notice either."""
+    data = _manifest()
+    change(data)
+    _rejected(data, "valid integer")
+
+
+@pytest.mark.parametrize(("text", "fragment"), [
+    ('{"version": 1, "version": 1}', "key 'version' appears twice"),
+    ('{"version": NaN}', "NaN is not a JSON number"),
+    ('{"version": Infinity}', "Infinity is not a JSON number"),
+])
+def test_json_that_python_reads_but_json_does_not_is_refused(text, fragment):
+    _rejected(text, "not valid JSON", fragment)
+
+
+def test_loads_limited_refuses_what_is_not_text():
+    from offgraph_export.specs.limits import loads_limited
+
+    with pytest.raises(SpecError, match="is a NoneType, not JSON text"):
+        loads_limited(None, "x")  # type: ignore[arg-type]

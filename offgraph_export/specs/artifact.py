@@ -210,7 +210,7 @@ class ArtifactSpecs(BaseModel):
 def parse_artifact_specs(text: str | bytes, source: str = "artifact") -> ArtifactSpecs:
     data = loads_limited(text, f"{source}: offgraph specs entry", ArtifactError)
     try:
-        return ArtifactSpecs.model_validate(data)
+        return ArtifactSpecs.model_validate(data, strict=True)  # no "256" or 1.0 or true for an int
     except (ValidationError, SpecError) as exc:
         raise ArtifactError(f"{source}: invalid offgraph specs: {exc}") from exc
 

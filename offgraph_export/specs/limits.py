@@ -3,7 +3,9 @@
 ``json.loads`` recurses once per nesting level, so a few thousand ``[`` raise ``RecursionError``,
 and it reads any size it is handed. Specs are small and shallow (the manifest nests four levels),
 so anything deeper than :data:`MAX_JSON_DEPTH` or larger than :data:`MAX_JSON_BYTES` is refused
-before parsing, with the same error type as any other malformed spec.
+before parsing, with the same error type as any other malformed spec. Two things Python's parser
+takes and JSON does not are refused too: ``NaN``/``Infinity`` (they would be written back as
+``null``) and a key given twice in one object (other readers may keep the first).
 """
 
 from __future__ import annotations
@@ -42,9 +44,28 @@ def _depth(text: str) -> int:
     return deepest
 
 
+class _NotJson(ValueError):
+    pass
+
+
+def _no_constant(name: str) -> object:
+    raise _NotJson(f"{name} is not a JSON number")
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _NotJson(f"key {key!r} appears twice in one object")
+        out[key] = value
+    return out
+
+
 def loads_limited(text: str | bytes, what: str, error: type[Exception] = SpecError) -> object:
     """Parse JSON ``text`` describing ``what``; raise ``error`` naming ``what`` when it is not
     valid JSON, larger than :data:`MAX_JSON_BYTES` or nested deeper than :data:`MAX_JSON_DEPTH`."""
+    if not isinstance(text, (str, bytes)):
+        raise error(f"{what} is a {type(text).__name__}, not JSON text")
     size = len(text) if isinstance(text, bytes) else len(text.encode("utf-8", "surrogatepass"))
     if size > MAX_JSON_BYTES:
         raise error(f"{what} is {size} bytes; more than the {MAX_JSON_BYTES} a spec may hold")
@@ -53,8 +74,10 @@ def loads_limited(text: str | bytes, what: str, error: type[Exception] = SpecErr
             text = text.decode("utf-8")
         if _depth(text) > MAX_JSON_DEPTH:
             raise error(f"{what} nests deeper than {MAX_JSON_DEPTH} levels; not a valid spec")
-        return json.loads(text)
+        return json.loads(text, parse_constant=_no_constant, object_pairs_hook=_unique_keys)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise error(f"{what} is not valid JSON: {exc}") from exc
+    except _NotJson as exc:
         raise error(f"{what} is not valid JSON: {exc}") from exc
     except ValueError as exc:  # e.g. an integer longer than Python converts (sys.get_int_max_str_digits)
         raise error(f"{what} is not a valid spec: {exc}") from exc

@@ -41,6 +41,8 @@ from offgraph_export.specs.limits import loads_limited
 __all__ = [
     "MANIFEST_KEY",
     "MANIFEST_VERSION",
+    "MAX_EXTENT",
+    "MAX_STORAGE_ELEMENTS",
     "StorageDtype",
     "Which",
     "StorageInput",
@@ -58,6 +60,12 @@ MANIFEST_KEY = "offgraph_kv_manifest"
 MANIFEST_VERSION = 1
 
 StorageDtype = Literal["float32", "float16", "bfloat16"]
+#: The largest count, size or position a manifest may name: the compiled kernels hold positions
+#: and rows as int32.
+MAX_EXTENT = 2**31 - 1
+#: The most elements one storage tensor may have at ``max_capacity`` (2**48: 512 TB in bf16, past
+#: any device; a larger product overflows torch's size arithmetic before any allocation).
+MAX_STORAGE_ELEMENTS = 2**48
 Which = Literal["k", "v"]
 Policy = Literal["flat", "ring"]
 
@@ -109,7 +117,7 @@ class StorageInput(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str = Field(min_length=1)
-    index: int = Field(ge=0)
+    index: int = Field(ge=0, le=MAX_EXTENT)
 
 
 class LayerManifest(BaseModel):
@@ -117,11 +125,11 @@ class LayerManifest(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    layer_id: int = Field(ge=0)
-    window: int | None = Field(default=None, ge=1, strict=True)
-    kv_heads: int = Field(ge=1)
-    head_dim: int = Field(ge=1)
-    v_head_dim: int = Field(ge=1)
+    layer_id: int = Field(ge=0, le=MAX_EXTENT)
+    window: int | None = Field(default=None, ge=1, le=MAX_EXTENT, strict=True)
+    kv_heads: int = Field(ge=1, le=MAX_EXTENT)
+    head_dim: int = Field(ge=1, le=MAX_EXTENT)
+    v_head_dim: int = Field(ge=1, le=MAX_EXTENT)
     k: StorageInput
     v: StorageInput
 
@@ -169,10 +177,10 @@ class CacheManifest(BaseModel):
     # strict: a version must be exactly the integer, never coerced from "1", true or 1.0
     version: int = Field(strict=True)
     storage_dtype: StorageDtype
-    batch_size: int = Field(ge=1)
-    max_capacity: int = Field(ge=1)
-    initial_capacity: int = Field(ge=1)
-    max_write: int = Field(ge=1)
+    batch_size: int = Field(ge=1, le=MAX_EXTENT)
+    max_capacity: int = Field(ge=1, le=MAX_EXTENT)
+    initial_capacity: int = Field(ge=1, le=MAX_EXTENT)
+    max_write: int = Field(ge=1, le=MAX_EXTENT)
     layers: list[LayerManifest] = Field(min_length=1)
 
     @model_validator(mode="after")
@@ -193,6 +201,15 @@ class CacheManifest(BaseModel):
         names: set[str] = set()
         indices: set[int] = set()
         for layer in self.layers:
+            rows = self.rows(layer, self.max_capacity)
+            if rows > MAX_EXTENT:
+                raise ValueError(f"layer {layer.layer_id}: {rows} storage rows; at most {MAX_EXTENT}")
+            elements = self.batch_size * layer.kv_heads * rows * max(layer.head_dim, layer.v_head_dim)
+            if elements > MAX_STORAGE_ELEMENTS:
+                raise ValueError(
+                    f"layer {layer.layer_id}: storage of {elements} elements at max_capacity; "
+                    f"at most {MAX_STORAGE_ELEMENTS}"
+                )
             if layer.layer_id in seen:
                 raise ValueError(f"duplicate layer id {layer.layer_id} in manifest")
             seen.add(layer.layer_id)
@@ -275,6 +292,6 @@ def parse_manifest(text: str | bytes) -> CacheManifest:
             f"{MANIFEST_VERSION}"
         )
     try:
-        return CacheManifest.model_validate(data)
+        return CacheManifest.model_validate(data, strict=True)  # no "256" or 1.0 or true for an int
     except ValidationError as exc:
         raise SpecError(f"invalid {MANIFEST_KEY}: {exc}") from exc
