@@ -11,7 +11,7 @@ pytest.importorskip("executorch")
 
 from offgraph_export.check import check_artifact  # noqa: E402
 from offgraph_export.errors import ArtifactError  # noqa: E402
-from offgraph_export.lowering.executorch import SPECS_METHOD, read_pte_constants, read_pte_specs  # noqa: E402
+from offgraph_export.specs.pte import SPECS_METHOD, read_pte_constants, read_pte_specs  # noqa: E402
 from offgraph_export.runtime import load_artifact  # noqa: E402
 from offgraph_export.runtime.pte_artifact import PteArtifact  # noqa: E402
 from offgraph_export.specs.manifest import MANIFEST_KEY  # noqa: E402

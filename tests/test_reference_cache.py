@@ -436,3 +436,36 @@ def test_example_ring_and_flat_differ_past_the_window():
     b = _run_model(ring, tokens, [12])
     torch.testing.assert_close(a[:, :4], b[:, :4])
     assert not torch.allclose(a[:, 4:], b[:, 4:], atol=1e-3)
+
+
+# --- what the reference keeps: rows as the storage holds them, nothing on a failed step ----------
+
+
+def test_rows_are_kept_in_the_storage_dtype():
+    """float32 q/k/v over bf16 storage: the oracle attends over the bf16-rounded rows, as the
+    runtime's storage does (it kept them in float32 and so disagreed with any compiled step)."""
+    q, k, v = make_qkv(12, seed=4)
+    config = config_for().with_overrides(storage_dtype="bfloat16")
+    caches = ReferenceCaches(config, [0])
+    scale = 0.25
+    with caches.activate():
+        out = step(q, k, v, 0, 12, 0, scale)
+    expected = oracle(q, k.bfloat16().float(), v.bfloat16().float(), None, scale)
+    torch.testing.assert_close(out, expected, **TOL[torch.float32])
+    assert caches[0].keys.dtype == torch.bfloat16
+
+
+def test_a_refused_step_leaves_the_history_and_the_callers_tensors_are_copied():
+    q, k, v = make_qkv(6, hq=4, hkv=2, seed=5)
+    caches = ReferenceCaches(config_for(), [0])
+    with caches.activate():
+        step(q, k, v, 0, 3, 0, 0.25)
+        bad_q = torch.randn(1, 3, 3, 16)  # 3 query heads over 2 KV heads
+        with pytest.raises(OffgraphError, match="query heads a multiple"):
+            OP(bad_q, k[:, :, 3:], v[:, :, 3:], torch.arange(3, 6), 0, 0.25, q.dtype)
+        assert caches.committed_length == 3 and caches[0].keys.shape[2] == 3
+        k_step = k[:, :, 3:].clone()
+        out = OP(q[:, :, 3:], k_step, v[:, :, 3:], torch.arange(3, 6), 0, 0.25, q.dtype)
+        k_step.fill_(1e4)  # the caller reuses its buffer: the history must not change with it
+        torch.testing.assert_close(caches[0].keys, k.float())
+    torch.testing.assert_close(out, oracle(q, k, v, None, 0.25)[:, :, 3:], **TOL[torch.float32])

@@ -10,8 +10,8 @@ again on the serialized program (:func:`delegate_width_specs`); a delegate none 
 carries the width gets the manifest only. The whole program also carries the specs as constant
 methods of the program (ExecuTorch's own way to attach values to a ``.pte``): ``offgraph_kv_step_width`` (the
 ``"input_index:dim"`` text), ``offgraph_kv_manifest`` (the manifest JSON), ``offgraph_program`` (the
-program description) and ``offgraph_specs`` (the whole :class:`ArtifactSpecs` JSON). They are read
-back with ExecuTorch's flatbuffer deserializer, which is plain Python: no native code is loaded.
+program description) and ``offgraph_specs`` (the whole :class:`ArtifactSpecs` JSON), read back by
+:mod:`offgraph_export.specs.pte` (which the runtime may import; this module it may not).
 
 With the ``cuda`` backend the program is exported on the CPU and ``CudaPartitioner`` moves it to
 the device and compiles it with AOTInductor; the compiled library and weights go to a separate
@@ -34,22 +34,19 @@ from pathlib import Path
 
 from torch.export import ExportedProgram
 
-from offgraph_export.errors import ArtifactError, ExportError
+from offgraph_export.errors import ExportError
 from offgraph_export.lowering.output_files import publish, staging
-from offgraph_export.specs.archive import regular_file
-from offgraph_export.specs.artifact import PROGRAM_KEY, ArtifactSpecs, parse_artifact_specs
+from offgraph_export.specs.artifact import ArtifactSpecs
 from offgraph_export.specs.manifest import MANIFEST_KEY
+from offgraph_export.specs.pte import spec_constants
 from offgraph_export.specs.step_width import STEP_WIDTH_KEY, StepWidthSpec, format_step_width, parse_step_width
 
 __all__ = [
     "BACKENDS",
     "BACKEND_DEVICE",
-    "SPECS_METHOD",
     "data_path",
     "compile_pte",
     "delegate_width_specs",
-    "read_pte_constants",
-    "read_pte_specs",
 ]
 
 #: What lowers the program's ops: ExecuTorch's portable kernels alone, XNNPACK where it applies
@@ -57,10 +54,6 @@ __all__ = [
 BACKENDS = ("xnnpack", "portable", "cuda")
 #: The device each backend's program runs on.
 BACKEND_DEVICE = {"xnnpack": "cpu", "portable": "cpu", "cuda": "cuda"}
-
-#: Constant method holding the whole ArtifactSpecs JSON.
-SPECS_METHOD = "offgraph_specs"
-
 
 def _executorch():
     try:
@@ -77,15 +70,6 @@ def _executorch():
         return ExecutorchBackendConfig(memory_planning_pass=MemoryPlanningPass(alloc_graph_input=True))
 
     return backend_config, to_edge_transform_and_lower
-
-
-def spec_constants(specs: ArtifactSpecs) -> dict[str, str]:
-    return {
-        STEP_WIDTH_KEY: specs.step_width.format(),
-        MANIFEST_KEY: specs.manifest.to_json(),
-        PROGRAM_KEY: specs.program_description(),
-        SPECS_METHOD: specs.model_dump_json(),
-    }
 
 
 def _partitioners(backend: str) -> list:
@@ -209,38 +193,3 @@ def compile_pte(
             moves.insert(0, (blobs[0], data_path(target)))  # the data first: the program names it
         publish(moves, tmp_dir)
     return target
-
-
-def read_pte_constants(path: str | os.PathLike) -> dict[str, str]:
-    """The string constant methods of a ``.pte``, read from its flatbuffer (no native code)."""
-    source = str(path)
-    target = regular_file(path)
-    try:
-        from executorch.exir._serialize._program import deserialize_pte_binary
-    except ImportError as exc:
-        raise ArtifactError(f"reading {source} needs executorch (pip install 'offgraph-export[executorch]')") from exc
-    try:
-        program = deserialize_pte_binary(target.read_bytes())
-    except Exception as exc:  # a malformed flatbuffer raises anything
-        raise ArtifactError(f"{source} is not a readable .pte program: {type(exc).__name__}: {exc}") from exc
-    program = getattr(program, "program", program)
-    constants = {}
-    for plan in program.execution_plan:
-        values = getattr(plan, "values", [])
-        if len(values) == 1 and hasattr(values[0].val, "string_val"):
-            constants[plan.name] = values[0].val.string_val
-    return constants
-
-
-def read_pte_specs(path: str | os.PathLike) -> ArtifactSpecs:
-    """The specs of a ``.pte``, checked against its separately stored width, manifest and
-    program description."""
-    source = str(path)
-    constants = read_pte_constants(path)
-    missing = [k for k in (SPECS_METHOD, STEP_WIDTH_KEY, MANIFEST_KEY, PROGRAM_KEY) if k not in constants]
-    if missing:
-        raise ArtifactError(f"{source} has no offgraph specs ({missing}); was it built by `offgraph-export export`?")
-    specs = parse_artifact_specs(constants[SPECS_METHOD], source)
-    if spec_constants(specs) != {k: constants[k] for k in spec_constants(specs)}:
-        raise ArtifactError(f"{source}: its specs disagree with the width, manifest or program it carries")
-    return specs

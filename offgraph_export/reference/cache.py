@@ -72,14 +72,20 @@ def attend_by_position(
 
 class ReferenceLayerCache:
     """History of one layer. Flat keeps every row up to ``capacity``; ring keeps the newest
-    ``window`` rows before each step (all that step's queries can see) plus the step's own rows."""
+    ``window`` rows before each step (all that step's queries can see) plus the step's own rows.
+    Rows are kept in ``storage_dtype`` (as the runtime's storage holds them) and attended in
+    float32."""
 
-    def __init__(self, layer_id: int, capacity: int, window: int | None = None) -> None:
+    def __init__(
+        self, layer_id: int, capacity: int, window: int | None = None, storage_dtype: torch.dtype | None = None
+    ) -> None:
         if window is not None and (type(window) is not int or window < 1):
             raise OffgraphError(f"layer {layer_id}: a ring layer needs a positive window, got {window!r}")
         self.layer_id = layer_id
         self.capacity = capacity
         self.window = window  # None: flat (all history)
+        #: rows are kept as the storage holds them (None: in k's and v's own dtype)
+        self.storage_dtype = storage_dtype
         self.committed_length = 0
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
@@ -98,6 +104,7 @@ class ReferenceLayerCache:
         scale: float,
         out_dtype: torch.dtype,
     ) -> torch.Tensor:
+        self._check_shapes(q, k, v)
         width = k.shape[2]
         pos = normalize_position(position, width)
         start = self.committed_length
@@ -112,24 +119,46 @@ class ReferenceLayerCache:
                 f"layer {self.layer_id}: writing {width} tokens at length {start} exceeds the "
                 f"cache capacity of {self.capacity} tokens"
             )
-        if self.window is not None and self.keys is not None and self.keys.shape[2] > self.window:
+        keys, values, positions = self.keys, self.values, self.positions
+        if self.window is not None and keys is not None and keys.shape[2] > self.window:
             # Older rows are invisible to every later query; the last step's rows stay whole
             # until the next step so that they can be inspected (``rows_at``).
-            self.keys = self.keys[:, :, -self.window :]
-            self.values = self.values[:, :, -self.window :]
-            self.positions = self.positions[-self.window :]
-        if self.keys is None:
-            self.keys, self.values, self.positions = k, v, pos
+            keys, values, positions = keys[:, :, -self.window :], values[:, :, -self.window :], positions[-self.window :]  # type: ignore[index]
+        # the rows as stored: in the storage dtype, and copies (the caller may reuse k and v)
+        k_rows = k.detach().to(self.storage_dtype or k.dtype, copy=True)
+        v_rows = v.detach().to(self.storage_dtype or v.dtype, copy=True)
+        if keys is None:
+            keys, values, positions = k_rows, v_rows, pos.clone()
         else:
-            self.keys = torch.cat([self.keys, k], dim=2)
-            self.values = torch.cat([self.values, v], dim=2)
-            self.positions = torch.cat([self.positions, pos])
+            keys = torch.cat([keys, k_rows], dim=2)
+            values = torch.cat([values, v_rows], dim=2)  # type: ignore[list-item]
+            positions = torch.cat([positions, pos])  # type: ignore[list-item]
+        out = attend_by_position(q, keys, values, pos, positions, scale, self.window, out_dtype)
+        # committed only once the step computed: a failure leaves the history as it was
+        self.keys, self.values, self.positions = keys, values, positions
         self.committed_length += width
-        assert self.values is not None and self.positions is not None
-        out = attend_by_position(
-            q, self.keys, self.values, pos, self.positions, scale, self.window, out_dtype
-        )
         return out
+
+    def _check_shapes(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The op's contract on q ``[B,Hq,T,D]``, k ``[B,Hkv,T,D]``, v ``[B,Hkv,T,Dv]`` (and, once
+        rows are held, the same batch, heads and dims as before), as one-line errors."""
+        where = f"layer {self.layer_id}"
+        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+            raise OffgraphError(f"{where}: q, k, v must be rank-4 BHSD, got ranks {q.dim()}, {k.dim()}, {v.dim()}")
+        if not (q.shape[0] == k.shape[0] == v.shape[0] and q.shape[2] == k.shape[2] == v.shape[2]):
+            raise OffgraphError(f"{where}: q, k, v disagree on batch or width: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        if q.shape[3] != k.shape[3] or k.shape[1] != v.shape[1] or q.shape[1] % k.shape[1]:
+            raise OffgraphError(
+                f"{where}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: q and k need one head "
+                "dim, k and v one head count, and the query heads a multiple of it"
+            )
+        if self.keys is not None and self.values is not None and (
+            self.keys.shape[:2] != k.shape[:2] or self.keys.shape[3] != k.shape[3] or self.values.shape[3] != v.shape[3]
+        ):
+            raise OffgraphError(
+                f"{where}: k {tuple(k.shape)}, v {tuple(v.shape)} disagree with the rows held "
+                f"{tuple(self.keys.shape)}, {tuple(self.values.shape)}"
+            )
 
     def rows_at(self, positions: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V rows (``[B,H,n,D]``) that this cache holds for the given absolute positions."""
@@ -150,7 +179,7 @@ class ReferenceCaches:
     def __init__(self, config: CacheConfig, layer_ids: Iterable[int]) -> None:
         self.config = config
         self.layers = {
-            lid: ReferenceLayerCache(lid, config.max_capacity, config.window(lid))
+            lid: ReferenceLayerCache(lid, config.max_capacity, config.window(lid), getattr(torch, config.storage_dtype))
             for lid in layer_ids
         }
 

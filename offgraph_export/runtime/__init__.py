@@ -18,7 +18,7 @@ def load_artifact(path, single_threaded: bool = False):
 def read_specs(path):
     """The specs of a ``.pt2`` or ``.pte`` artifact, without loading any of its code."""
     if str(path).endswith(".pte"):
-        from offgraph_export.lowering.executorch import read_pte_specs
+        from offgraph_export.specs.pte import read_pte_specs
 
         return read_pte_specs(path)
     from offgraph_export.specs.artifact import read_artifact_specs

@@ -42,7 +42,7 @@ class PteArtifact:
 
     @classmethod
     def load(cls, path: str | os.PathLike, single_threaded: bool = False) -> "PteArtifact":
-        from offgraph_export.lowering.executorch import read_pte_specs
+        from offgraph_export.specs.pte import read_pte_specs
 
         path = Path(path)
         specs = read_pte_specs(path)
