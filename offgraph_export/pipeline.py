@@ -236,37 +236,32 @@ def lower(
     ``model_info``: ``model``, ``model_args``, ``model_dtype`` recorded for check/run. For the
     executorch ``cuda`` backend ``program.stripped`` is first rewritten in place by
     ``split_to_slices`` (same values; a second lowering finds nothing left to rewrite)."""
-    if max_autotune not in AUTOTUNE_CHOICES:
-        raise ExportError(f"unknown max_autotune {max_autotune!r}; expected one of {AUTOTUNE_CHOICES}")
+    _check_options(format, executorch_backend, program.decode is not None, max_autotune, program.manifest.max_write)
     if format == "pt2":
-        if max_autotune == "decode" and program.decode is None:
-            raise ExportError("max_autotune='decode' tunes the decode method, which this program lacks; use 'all' or 'none'")
         specs = program.artifact_specs(device, options={"max_autotune": max_autotune}, **model_info)
         return compile_package(program.programs, path, specs, progress)
-    if program.decode is not None or max_autotune != "none":
-        raise ExportError(
-            "the decode method and max-autotune are AOTInductor options; export for the "
-            "executorch format without them"
-        )
-    specs = program.artifact_specs(device, **model_info)
-    if format == "executorch":
-        from offgraph_export.lowering.executorch import compile_pte
+    from offgraph_export.lowering.executorch import compile_pte
 
-        if executorch_backend == "cuda":
-            # ExecuTorch's CUDA backend compiles slices but has no split_copy kernel
-            program.pass_results["split_to_slices"] = split_to_slices(program.stripped)
-        return compile_pte(program.stripped, path, specs, backend=executorch_backend)
-    raise ExportError(f"unknown format {format!r}; expected one of {FORMATS}")
+    specs = program.artifact_specs(device, **model_info)
+    if executorch_backend == "cuda":
+        # ExecuTorch's CUDA backend compiles slices but has no split_copy kernel
+        program.pass_results["split_to_slices"] = split_to_slices(program.stripped)
+    return compile_pte(program.stripped, path, specs, backend=executorch_backend)
 
 
 def _check_options(format: str, backend: str | None, decode_method: bool, max_autotune: str, max_write: int) -> None:
-    """What :func:`lower` and the trace would refuse, refused before anything is traced."""
+    """The lowering options that go together, for :func:`lower` and, before anything is traced,
+    :func:`export_and_lower`."""
+    from offgraph_export.lowering.executorch import BACKENDS
+
     if format not in FORMATS:
         raise ExportError(f"unknown format {format!r}; expected one of {FORMATS}")
+    if format != "pt2" and backend not in BACKENDS:
+        raise ExportError(f"unknown executorch backend {backend!r}; expected one of {BACKENDS}")
     if max_autotune not in AUTOTUNE_CHOICES:
         raise ExportError(f"unknown max_autotune {max_autotune!r}; expected one of {AUTOTUNE_CHOICES}")
     if format == "pt2" and max_autotune == "decode" and not decode_method:
-        raise ExportError("max_autotune='decode' tunes the decode method, which this export leaves out; use 'all' or 'none'")
+        raise ExportError("max_autotune='decode' tunes the decode method, which this program leaves out; use 'all' or 'none'")
     if format != "pt2" and (decode_method or max_autotune != "none"):
         raise ExportError(
             "the decode method and max-autotune are AOTInductor options; export for the "
@@ -326,7 +321,7 @@ def export_and_lower(
         decode_gemv = pt2 and default_decode_gemv(target_device, decode_method)
     if decode_rope is None:
         decode_rope = pt2 and default_decode_rope(target_device, decode_method, impl)
-    _check_options(format, executorch_backend, decode_method, max_autotune, bundle.cache_config.max_write)
+    _check_options(format, executorch_backend or "xnnpack", decode_method, max_autotune, bundle.cache_config.max_write)
     if decode_gemv and not (pt2 and default_decode_gemv(target_device, decode_method)):
         raise ExportError("the GEMV projections are a cuda kernel for the pt2 decode method; export for cuda with decode_method=True")
     if decode_rope and not (pt2 and default_decode_rope(target_device, decode_method, impl)):

@@ -69,7 +69,7 @@ def _cases(tmp_path: Path, artifact: Path) -> dict[str, tuple]:
         ),
         "max-write-1": _case(["export", EXAMPLE, "-o", out, "--max-write", "1"], "max_write 1 is too small"),
         "autotune-decode-without-decode-method": _case(["export", EXAMPLE, "-o", out, "--max-autotune", "decode"],
-                                                       "tunes the decode method, which this export leaves out"),
+                                                       "tunes the decode method, which this program leaves out"),
         "backend-with-pt2": _case(["export", EXAMPLE, "-o", out, "--executorch-backend", "xnnpack"],
                                   "applies to the executorch format, not pt2"),
         "gemv-on-cpu": _case(["export", EXAMPLE, "-o", out, "--decode-gemv"], "--decode-gemv is a cuda kernel"),
