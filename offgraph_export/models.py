@@ -48,11 +48,27 @@ class ModelBundle:
     make_oracle: Callable[[CacheManifest], Oracle] | None = None
 
     def __post_init__(self) -> None:
+        """What a factory returns is user code: its fields are checked here, each refusal naming
+        the field, rather than failing deep inside export."""
+        if not isinstance(self.model, torch.nn.Module):
+            raise OffgraphError(f"ModelBundle.model is a {type(self.model).__name__}, not a torch.nn.Module")
+        if not isinstance(self.cache_config, CacheConfig):
+            raise OffgraphError(f"ModelBundle.cache_config is a {type(self.cache_config).__name__}, not a CacheConfig")
+        if not all(isinstance(x, torch.Tensor) for x in self.example_inputs):
+            kinds = [type(x).__name__ for x in self.example_inputs]
+            raise OffgraphError(f"ModelBundle.example_inputs must all be tensors, got {kinds}")
         if len(self.token_dims) != len(self.example_inputs):
             raise OffgraphError(
                 f"token_dims has {len(self.token_dims)} entries but there are "
                 f"{len(self.example_inputs)} example inputs"
             )
+        for i, (x, d) in enumerate(zip(self.example_inputs, self.token_dims)):
+            if d is not None and (type(d) is not int or not 0 <= d < x.dim()):
+                raise OffgraphError(f"token_dims[{i}] = {d!r} is not a dim of example input {i} (rank {x.dim()})")
+        if all(d is None for d in self.token_dims):
+            raise OffgraphError("token_dims names no input dim that carries the step's tokens")
+        if type(self.vocab_size) is not int or self.vocab_size < 1:
+            raise OffgraphError(f"ModelBundle.vocab_size must be a positive int, got {self.vocab_size!r}")
 
     def oracle(self, manifest: CacheManifest) -> Oracle:
         if self.make_oracle is not None:

@@ -29,6 +29,15 @@ def _case(argv, message, before_tracing=True):
     return argv, message, before_tracing
 
 
+_BUNDLE = """import torch
+from offgraph_export.models import ModelBundle
+from offgraph_export.specs import CacheConfig
+def build():
+    return ModelBundle(model=torch.nn.Linear(2, 2), example_inputs=(torch.zeros(1, 4, dtype=torch.int64),),
+                       token_dims={dims}, cache_config={config}, make_inputs=lambda t, s: (t,), vocab_size=8)
+"""
+
+
 def _cases(tmp_path: Path, artifact: Path) -> dict[str, tuple]:
     out = str(tmp_path / "out.pt2")
     a_file = tmp_path / "a_file.txt"
@@ -67,6 +76,11 @@ def _cases(tmp_path: Path, artifact: Path) -> dict[str, tuple]:
             ["export", EXAMPLE, "-o", str(tmp_path / "x.pte"), "--format", "executorch", "--decode-method"],
             "--decode-method and --max-autotune are AOTInductor options",
         ),
+        "bundle-bad-token-dim": _case(["export", _factory(tmp_path, _BUNDLE.format(dims="(7,)", config="CacheConfig()")), "-o", out],
+                                      "token_dims[0] = 7 is not a dim of example input 0 (rank 2)"),
+        "bundle-config-not-a-config": _case(["export", _factory(tmp_path, _BUNDLE.format(dims="(1,)", config="{}")), "-o", out],
+                                            "ModelBundle.cache_config is a dict, not a CacheConfig"),
+        "hf-empty-directory": _case(["export", "hf:", "-o", out], "hf: needs a checkpoint directory"),
         "max-write-1": _case(["export", EXAMPLE, "-o", out, "--max-write", "1"], "max_write 1 is too small"),
         "autotune-decode-without-decode-method": _case(["export", EXAMPLE, "-o", out, "--max-autotune", "decode"],
                                                        "tunes the decode method, which this program leaves out"),
@@ -117,7 +131,7 @@ CASE_NAMES = [
     "inspect-fifo", "inspect-directory", "hf-missing-directory",
     "hf-unknown-option", "cuda-without-gpu", "container-arg", "infinite-arg", "arg-given-twice",
     "builtin-factory", "class-factory", "max-write-1", "autotune-decode-without-decode-method",
-    "backend-with-pt2",
+    "backend-with-pt2", "bundle-bad-token-dim", "bundle-config-not-a-config", "hf-empty-directory",
 ]
 
 

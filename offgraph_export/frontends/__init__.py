@@ -27,6 +27,8 @@ def load_bundle(reference: str, **kwargs: object) -> ModelBundle:
     if reference.startswith(HF_PREFIX):
         from offgraph_export.frontends.hf import load_hf_bundle
 
+        if not reference[len(HF_PREFIX) :].strip():
+            raise OffgraphError("hf: needs a checkpoint directory: hf:DIR (hf:. for the current one)")
         try:
             inspect.signature(load_hf_bundle).bind(reference[len(HF_PREFIX) :], **kwargs)
         except TypeError as exc:
