@@ -143,6 +143,16 @@ def _not_utf8_name(good, tmp):  # the UTF-8 name flag on names that are not: Uni
     return _patched_headers(tmp / "latin.pt2", tmp / "utf8.pt2", central=lambda d, i: d.__setitem__(i + 9, d[i + 9] | 0x08))
 
 
+def _no_root_folder(good, tmp):
+    """Every entry moved to the top of the archive: no package folder."""
+    root = root_of(good)
+    dst = tmp / "noroot.pt2"
+    with zipfile.ZipFile(good) as src, zipfile.ZipFile(dst, "w") as out:
+        for info in src.infolist():
+            out.writestr(info.filename[len(root):], src.read(info))
+    return dst
+
+
 def _coerced_bool(good, tmp):
     return rewrite(good, tmp / "coerced.pt2", specs_edit(lambda s: s.update(decode_method="yes")))
 
@@ -230,6 +240,7 @@ HOSTILE = [
     pytest.param(_zip_version, r"not a readable .pt2 archive: NotImplementedError: zip file version", id="zip-version"),
     pytest.param(_encrypted, r"is corrupt \(RuntimeError: .*encrypted", id="encrypted"),
     pytest.param(_not_utf8_name, r"not a readable .pt2 archive: UnicodeDecodeError", id="name-not-utf8"),
+    pytest.param(_no_root_folder, "a package holds it in one folder at the top of the archive", id="no-root-folder"),
     pytest.param(_coerced_bool, r"decode_method\s+Input should be a valid boolean", id="coerced-bool"),
     pytest.param(_nan_model_arg, "NaN is not a JSON number", id="nan-model-arg"),
     pytest.param(_model_dtype_lie, "model_dtype 'bfloat16' disagrees with the cache's storage dtype 'float32'", id="model-dtype"),

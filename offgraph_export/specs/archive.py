@@ -69,6 +69,11 @@ def archive_root(names: list[str], source: str) -> str:
         raise ArtifactError(f"{source} is not a PT2 archive (no {ROOT_MARKER} entry)")
     if len(roots) > 1:
         raise ArtifactError(f"{source} has {len(roots)} {ROOT_MARKER} entries ({roots}); expected one")
+    if roots[0].count("/") != 1:  # "" (no folder) or "a/b/": a package is one folder at the top
+        raise ArtifactError(
+            f"{source}: its {ROOT_MARKER} lies at {roots[0] + ROOT_MARKER!r}; a package holds it in one "
+            "folder at the top of the archive"
+        )
     return roots[0]
 
 

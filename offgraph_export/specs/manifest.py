@@ -24,6 +24,8 @@ This module is also the one place that defines the storage rules every other mod
 
 from __future__ import annotations
 
+from functools import cached_property
+
 from typing import Any, Literal, TypeVar
 
 from pydantic import (
@@ -224,11 +226,23 @@ class CacheManifest(BaseModel):
 
     # --- lookups -------------------------------------------------------------------------------
 
-    def layer(self, layer_id: int) -> LayerManifest:
+    @cached_property
+    def _by_layer_id(self) -> dict[int, LayerManifest]:
+        return {layer.layer_id: layer for layer in self.layers}
+
+    @cached_property
+    def _owners(self) -> dict[StorageInput, tuple[LayerManifest, Which]]:
+        owners: dict[StorageInput, tuple[LayerManifest, Which]] = {}
         for layer in self.layers:
-            if layer.layer_id == layer_id:
-                return layer
-        raise SpecError(f"layer {layer_id} is not in the manifest (layers: {self.layer_ids})")
+            owners[layer.k] = (layer, "k")
+            owners[layer.v] = (layer, "v")
+        return owners
+
+    def layer(self, layer_id: int) -> LayerManifest:
+        layer = self._by_layer_id.get(layer_id)
+        if layer is None:
+            raise SpecError(f"layer {layer_id} is not in the manifest (layers: {self.layer_ids})")
+        return layer
 
     @property
     def layer_ids(self) -> list[int]:
@@ -244,12 +258,10 @@ class CacheManifest(BaseModel):
 
     def owner(self, storage: StorageInput) -> tuple[LayerManifest, Which]:
         """The layer whose K or V ``storage`` is."""
-        for layer in self.layers:
-            if storage == layer.k:
-                return layer, "k"
-            if storage == layer.v:
-                return layer, "v"
-        raise SpecError(f"storage input {storage.name!r} (index {storage.index}) is in no layer")
+        owner = self._owners.get(storage)
+        if owner is None:
+            raise SpecError(f"storage input {storage.name!r} (index {storage.index}) is in no layer")
+        return owner
 
     # --- the storage rules, applied ------------------------------------------------------------
 
