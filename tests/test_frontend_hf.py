@@ -313,3 +313,12 @@ def test_pickled_weights_are_not_loaded(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"not even a pickle")
     with pytest.raises(ExportError, match=r"only safetensors weights .* are read; found \[.pytorch_model.bin.\]"):
         load_bundle(f"hf:{tmp_path}")
+
+
+def test_a_config_whose_random_weights_would_not_fit_in_memory_is_refused(tmp_path):
+    """A 200-byte config.json alone asked for terabytes of random weights (the OOM killer ended
+    the process); sized on the meta device first, it is refused naming the size."""
+    config = transformers.LlamaConfig(**{**COMMON, "hidden_size": 65536, "intermediate_size": 262144,
+                                         "num_hidden_layers": 64, "num_attention_heads": 64, "head_dim": 1024})
+    with pytest.raises(ExportError, match=r"config.json describes \d+\.\d GB of float32 weights, more than this machine's"):
+        load_bundle(_save(tmp_path, config))

@@ -367,6 +367,25 @@ def _safetensors_files(path: Path) -> list[str]:
     return ["model.safetensors"] if (path / "model.safetensors").is_file() else []
 
 
+def _check_random_weights_fit(path: Path, auto_model: object, config: object, dtype: torch.dtype) -> None:
+    """A config.json alone gets random weights made in memory: refuse one whose weights would not
+    fit this machine's memory (a 200-byte config can ask for terabytes), sized on the meta device
+    first, where nothing is allocated."""
+    with torch.device("meta"):
+        shell = auto_model.from_config(config, dtype=dtype, trust_remote_code=False)  # type: ignore[attr-defined]
+    needed = sum(t.numel() * t.element_size() for t in (*shell.parameters(), *shell.buffers()))
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # no such counter on this platform
+        return
+    if needed > memory:
+        raise _fail(
+            path,
+            f"config.json describes {needed / 1e9:.1f} GB of {str(dtype).removeprefix('torch.')} weights, "
+            f"more than this machine's {memory / 1e9:.1f} GB of memory (random weights are made in memory)",
+        )
+
+
 def _read_config(path: Path) -> None:
     """config.json as untrusted input: a regular file of bounded size, bounded JSON."""
     config_file = path / "config.json"
@@ -422,6 +441,7 @@ def load_hf_model(directory: str | os.PathLike, dtype: str | None = None, seed: 
                 dtype=torch_dtype,
             )
         else:
+            _check_random_weights_fit(path, AutoModelForCausalLM, config, torch_dtype)
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, trust_remote_code=False)
     except Exception as exc:  # missing shards, shape mismatches, unknown architectures, ...
