@@ -30,7 +30,7 @@ from offgraph_export.reference.oracle import Oracle
 from offgraph_export.runtime import load_artifact
 from offgraph_export.runtime.artifact import Artifact
 from offgraph_export.runtime.session import Session
-from offgraph_export.specs.manifest import CacheManifest, storage_row
+from offgraph_export.specs.manifest import CacheManifest, ring_rows, storage_row
 
 __all__ = [
     "StepReport",
@@ -115,7 +115,7 @@ def default_schedule(
         needed = max(needed, 2 * manifest.initial_capacity + 2)
     for layer in manifest.layers:
         if layer.window is not None:
-            needed = max(needed, manifest.rows(layer, 0) + 2)
+            needed = max(needed, ring_rows(layer.window, manifest.max_write) + 2)
     needed = min(needed, manifest.max_capacity) if manifest.has_flat else needed
     prefill = max(prefill_chunks, needed - decode_steps)
     chunks = max(prefill_chunks, -(-prefill // manifest.max_write))
@@ -294,8 +294,8 @@ def _conclude(report: CheckReport, session: Session) -> None:
     manifest = session.specs.manifest
     report.growths = session.storage.growth_count
     for layer in manifest.layers:
-        if layer.window is not None:
-            report.ring_wraps[str(layer.layer_id)] = session.committed_length > manifest.rows(layer, 0)
+        if layer.window is not None:  # wrapped: some position went to a row other than its own number
+            report.ring_wraps[str(layer.layer_id)] = session.committed_length > ring_rows(layer.window, manifest.max_write)
     if manifest.has_flat and report.growths < 2:
         report.notes.append(f"the schedule crossed {report.growths} growth boundaries (wanted >= 2)")
     for lid, wrapped in report.ring_wraps.items():
