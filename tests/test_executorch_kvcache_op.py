@@ -76,3 +76,18 @@ def test_real_kvcache_op_through_export_and_check(fmt, tmp_path):
     report = check_artifact(path, _bundle())
     assert report.passed, report.render()
     assert report.growths >= 2 and report.ring_wraps == {"1": True}
+
+
+def test_the_executorch_oracle_refuses_sparse_layer_ids():
+    """Its cache numbers layers 0..n-1: a manifest (from an archive) with a layer id of 2**31 - 1
+    would have made it build two billion layer caches."""
+    from offgraph_export.errors import OffgraphError
+    from offgraph_export.specs.manifest import parse_manifest
+
+    manifest = parse_manifest(
+        '{"version": 1, "storage_dtype": "float32", "batch_size": 1, "max_capacity": 16, "initial_capacity": 4,'
+        ' "max_write": 4, "layers": [{"layer_id": 2147483647, "window": null, "kv_heads": 1, "head_dim": 4,'
+        ' "v_head_dim": 4, "k": {"name": "k", "index": 2}, "v": {"name": "v", "index": 3}}]}'
+    )
+    with pytest.raises(OffgraphError, match=r"numbers layers 0..n-1; the manifest has layer ids \[2147483647\]"):
+        ExecuTorchCacheOracle(torch.nn.Identity(), manifest)

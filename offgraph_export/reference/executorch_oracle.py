@@ -36,7 +36,12 @@ class ExecuTorchCacheOracle:
                 f"equal head dims; the manifest has {sorted(shapes)}"
             )
         kv_heads, head_dim, _ = shapes.pop()
-        n_layers = max(manifest.layer_ids) + 1
+        n_layers = len(manifest.layers)
+        if sorted(manifest.layer_ids) != list(range(n_layers)):  # it would build max(id) + 1 caches
+            raise OffgraphError(
+                f"ExecuTorch's reference cache numbers layers 0..n-1; the manifest has layer ids "
+                f"{sorted(manifest.layer_ids)[:8]}{' ...' if n_layers > 8 else ''}"
+            )
         windows = {l.layer_id: l.window for l in manifest.layers}
         policies = [
             rc.LayerPolicy.ring(windows[i]) if windows.get(i) else rc.LayerPolicy.flat() for i in range(n_layers)
