@@ -301,3 +301,25 @@ def test_an_infinite_reference_does_not_make_the_comparison_unable_to_fail():
         step = StepReport(index=0, kind="decode", start=0, width=1, width_from_spec=1, method="model")
         _compare_outputs(step, got, want, (1e-3, 1e-3))
         assert (not step.problems) == ok, (got, step.problems)
+
+
+def test_a_manifest_that_disagrees_with_the_eager_model_is_named(loaded_example, example_bundle):
+    """check's comparison of the manifest with what the eager model writes (heads and head dims per
+    layer, and every manifest layer written at all): a manifest claiming other head counts, or a
+    layer the model never writes, is reported naming the layer."""
+    from offgraph_export.check import _check_manifest_model
+
+    manifest = loaded_example.specs.manifest
+    oracle = example_bundle.oracle(manifest)
+    oracle.step(example_bundle.make_inputs(torch.zeros(1, 3, dtype=torch.int64), 0))
+    assert _check_manifest_model(oracle, manifest) == []
+    first = manifest.layers[0]
+    wrong = manifest.model_copy(update={"layers": [first.model_copy(update={"kv_heads": first.kv_heads + 1}),
+                                                   *manifest.layers[1:]]})
+    (problem,) = _check_manifest_model(oracle, wrong)
+    assert problem.startswith(f"layer {first.layer_id}: eager model writes (kv_heads, head_dim, v_head_dim)=")
+    assert f"manifest says ({first.kv_heads + 1}, " in problem
+    extra = manifest.model_copy(update={"layers": [*manifest.layers, first.model_copy(update={"layer_id": 99})]})
+    oracle = example_bundle.oracle(extra)  # caches for every manifest layer; the model writes 0 and 1
+    oracle.step(example_bundle.make_inputs(torch.zeros(1, 3, dtype=torch.int64), 0))
+    assert _check_manifest_model(oracle, extra) == ["manifest layer 99: the eager model never wrote this layer"]

@@ -5,6 +5,7 @@ is imported or run."""
 from __future__ import annotations
 
 import os
+import re
 import stat
 import struct
 import tempfile
@@ -231,17 +232,17 @@ HOSTILE = [
     pytest.param(_outside_root, "lies outside the package folder", id="outside-root"),
     pytest.param(_duplicate, "appear more than once", id="duplicate-entry"),
     pytest.param(_corrupt_library, r"wrapper\.so' is corrupt", id="flipped-byte-in-library"),
-    pytest.param(_corrupt_specs_member, "offgraph_specs.json' is corrupt", id="flipped-byte-in-specs"),
+    pytest.param(_corrupt_specs_member, r"offgraph_specs.json(' is corrupt|: BadZipFile: Bad CRC-32)", id="flipped-byte-in-specs"),
     pytest.param(_widened_range, r"must lie in \[1, max_write=32\]", id="widened-width-range"),
     pytest.param(_narrowed_range, r"disagree with the compiled ('model' )?program's own", id="narrowed-width-range"),
     pytest.param(_empty_range, r"min > max", id="min-above-max"),
     pytest.param(_wrong_dtype, r"disagree with the compiled ('model' )?program's own", id="dtype-changed"),
-    pytest.param(_unknown_dtype, "int65", id="unknown-dtype"),
+    pytest.param(_unknown_dtype, r"inputs\.1\.dtype\W+Input should be .*'int64'", id="unknown-dtype"),
     pytest.param(_zip_version, r"not a readable .pt2 archive: NotImplementedError: zip file version", id="zip-version"),
-    pytest.param(_encrypted, r"is corrupt \(RuntimeError: .*encrypted", id="encrypted"),
+    pytest.param(_encrypted, r"RuntimeError: .*encrypted", id="encrypted"),
     pytest.param(_not_utf8_name, r"not a readable .pt2 archive: UnicodeDecodeError", id="name-not-utf8"),
     pytest.param(_no_root_folder, "a package holds it in one folder at the top of the archive", id="no-root-folder"),
-    pytest.param(_coerced_bool, r"decode_method\s+Input should be a valid boolean", id="coerced-bool"),
+    pytest.param(_coerced_bool, r"decode_method\W+Input should be a valid boolean", id="coerced-bool"),
     pytest.param(_nan_model_arg, "NaN is not a JSON number", id="nan-model-arg"),
     pytest.param(_model_dtype_lie, "model_dtype 'bfloat16' disagrees with the cache's storage dtype 'float32'", id="model-dtype"),
     pytest.param(_static_dim_changed, r"disagree with the compiled ('model' )?program's own", id="static-dim-changed"),
@@ -250,7 +251,7 @@ HOSTILE = [
     pytest.param(_input_dropped, "must follow the 1 model inputs", id="input-dropped"),
     pytest.param(_deeply_nested, "nests deeper than", id="deeply-nested-specs"),
     pytest.param(_huge_specs, "more than the", id="oversized-specs"),
-    pytest.param(_version_string, "version", id="version-as-string"),
+    pytest.param(_version_string, r"version\W+Input should be a valid integer", id="version-as-string"),
     pytest.param(_build_from_sources, r"_compile_flags\.json' is not part of an offgraph package", id="build-from-sources"),
     pytest.param(_huge_integer, "offgraph specs entry is not a valid spec: Exceeds the limit", id="huge-integer"),
     pytest.param(_no_library, r"method 'model' holds 0 compiled libraries \(\.so\)", id="no-library"),
@@ -292,6 +293,7 @@ def test_cli_refuses_hostile_archive_in_one_line(make, message, example_artifact
     assert proc.returncode == 2, proc.stdout
     assert proc.stderr.count("\n") <= 2 and "Traceback" not in proc.stderr  # "checking ..." + error
     assert proc.stderr.splitlines()[-1].startswith("error: ")
+    assert re.search(message, proc.stderr), proc.stderr  # refused for the reason the case plants
     assert not _written_outside(tmp_path)
 
 

@@ -22,10 +22,18 @@ FORBIDDEN = {
 
 
 def _imports(path: Path) -> list[str]:
+    """The package's top-level modules/folders ``path`` imports: absolute (``offgraph_export.x``,
+    ``from offgraph_export import x``) and relative (``from ..x import y``, ``from .. import x``)."""
+    package = path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1]  # ("offgraph_export", folder)
     names = []
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.append(node.module)
+        if isinstance(node, ast.ImportFrom):
+            base = list(package[: len(package) - node.level + 1]) if node.level else []
+            module = [*base, *(node.module.split(".") if node.module else [])]
+            if module == ["offgraph_export"]:  # from offgraph_export import x / from .. import x
+                names.extend(f"offgraph_export.{alias.name}" for alias in node.names)
+            else:
+                names.append(".".join(module))
         elif isinstance(node, ast.Import):
             names.extend(alias.name for alias in node.names)
     return [n.split(".")[1] for n in names if n.startswith("offgraph_export.")]

@@ -275,9 +275,9 @@ def test_session_metrics(loaded_example, example_bundle):
     session.step(*example_bundle.make_inputs(tokens[:, :20], 0))  # -> 32
     bad = tokens[:, 20:22].clone()
     bad[0, 0] = 300  # outside the vocabulary: refused before launch
-    with pytest.raises(StepRefused):
+    with pytest.raises(StepRefused, match=r"holds 300, outside \[0, 256\)"):
         session.step(*example_bundle.make_inputs(bad, 20))
-    with pytest.raises(StepRefused):
+    with pytest.raises(StepRefused, match="expected 2 model inputs"):
         session.step(tokens[:, 20:22])
     session.step(*example_bundle.make_inputs(tokens[:, 20:40], 20))  # -> 64
     m = session.metrics()

@@ -11,7 +11,11 @@ from hypothesis import strategies as st
 from offgraph_export.errors import SpecError
 from offgraph_export.specs import STEP_WIDTH_KEY, StepWidthSpec, format_step_width, parse_step_width
 
-_VALID_RE = re.compile(r"[0-9]{1,9}:[0-9]{1,9}")
+def _valid(text: str) -> bool:
+    """The grammar of design section 4.1, written without the parser's regex: two runs of 1-9
+    ASCII digits joined by one colon."""
+    left, sep, right = text.partition(":")
+    return bool(sep) and all(1 <= len(part) <= 9 and all(c in "0123456789" for c in part) for part in (left, right))
 
 
 def test_key_name():
@@ -111,9 +115,10 @@ def _check_arbitrary(text: str) -> None:
     except ValueError as exc:
         assert str(exc), "rejection must carry a message"
         assert isinstance(exc, SpecError)
+        assert not _valid(text), f"valid spec {text!r} refused: {exc}"
         return
     # Any other exception type propagates and fails the test.
-    assert _VALID_RE.fullmatch(text) is not None, text
+    assert _valid(text), text
     left, right = text.split(":")
     assert (spec.input_index, spec.dim) == (int(left), int(right))
     assert parse_step_width(spec.format()) == spec
