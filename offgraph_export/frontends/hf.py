@@ -335,11 +335,7 @@ def _fail(directory: Path, what: str) -> ExportError:
     return ExportError(f"hf:{directory}: {what}")
 
 
-def _torch_dtype(dtype: str | None) -> torch.dtype | None:
-    return None if dtype is None else model_dtype(dtype, ExportError)
-
-
-#: The largest config.json read (real ones are a few KB).
+#: The largest JSON file of a checkpoint read (config.json, the safetensors index; real ones are KBs to a few hundred KB).
 _MAX_CONFIG_BYTES = 1 << 20
 #: Weight files transformers could read that this frontend does not: their presence without
 #: safetensors weights is refused rather than mistaken for a config-only directory.
@@ -351,12 +347,8 @@ def _safetensors_files(path: Path) -> list[str]:
     names (each a plain file inside ``path``); [] when there are none."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        if index.stat().st_size > _MAX_CONFIG_BYTES:
-            raise _fail(path, f"{index.name} is larger than {_MAX_CONFIG_BYTES} bytes")
-        try:
-            weight_map = loads_limited(index.read_bytes(), index.name, ExportError).get("weight_map")  # type: ignore[union-attr]
-        except (OSError, AttributeError) as exc:
-            raise _fail(path, f"{index.name} is unreadable: {exc}") from exc
+        data = _read_json(path, index.name)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise _fail(path, f"{index.name} has no weight_map of tensor names to shard files")
         shards = sorted(set(weight_map.values()))
@@ -386,19 +378,17 @@ def _check_random_weights_fit(path: Path, auto_model: object, config: object, dt
         )
 
 
-def _read_config(path: Path) -> None:
-    """config.json as untrusted input: a regular file of bounded size, bounded JSON."""
-    config_file = path / "config.json"
-    if not config_file.exists():
-        raise _fail(path, "config.json is missing")
-    if not config_file.is_file():
-        raise _fail(path, "config.json is not a regular file")
-    if config_file.stat().st_size > _MAX_CONFIG_BYTES:
-        raise _fail(path, f"config.json is larger than {_MAX_CONFIG_BYTES} bytes")
+def _read_json(path: Path, name: str) -> object:
+    """``path / name`` as untrusted input: a regular file of bounded size, bounded JSON."""
+    file = path / name
+    if not file.is_file():
+        raise _fail(path, f"{name} is not a regular file")
+    if file.stat().st_size > _MAX_CONFIG_BYTES:
+        raise _fail(path, f"{name} is larger than {_MAX_CONFIG_BYTES} bytes")
     try:
-        loads_limited(config_file.read_bytes(), "config.json", ExportError)
+        return loads_limited(file.read_bytes(), name, ExportError)
     except OSError as exc:
-        raise _fail(path, f"config.json is unreadable: {exc}") from exc
+        raise _fail(path, f"{name} is unreadable: {exc}") from exc
     except ExportError as exc:
         raise _fail(path, str(exc)) from None
 
@@ -415,8 +405,10 @@ def load_hf_model(directory: str | os.PathLike, dtype: str | None = None, seed: 
     path = Path(directory)
     if not path.is_dir():
         raise _fail(path, "no such checkpoint directory")
-    _read_config(path)
-    torch_dtype = _torch_dtype(dtype) or torch.float32
+    if not (path / "config.json").exists():
+        raise _fail(path, "config.json is missing")
+    _read_json(path, "config.json")
+    torch_dtype = model_dtype(dtype, ExportError) if dtype is not None else torch.float32
     try:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     except ImportError as exc:
