@@ -51,6 +51,17 @@ step "check (CUDA-graph decode)"
 python3 -m offgraph_export check "$ART" --model examples/tiny_llama.py:build --steps 24 --cuda-graphs > "$OUT/check_graphs.txt" 2>&1 || status=1
 head -6 "$OUT/check_graphs.txt" | tee -a "$OUT/summary.txt"
 
+step "run: greedy tokens with ordinary launches == with CUDA-graph decode (Session.reserve before capture)"
+python3 -m offgraph_export run "$ART" --model examples/tiny_llama.py:build --tokens 1,2,3,4,5,6,7 --max-new-tokens 40 --json > "$OUT/run.json" 2>"$OUT/run.log" || status=1
+python3 -m offgraph_export run "$ART" --model examples/tiny_llama.py:build --tokens 1,2,3,4,5,6,7 --max-new-tokens 40 --cuda-graphs --json > "$OUT/run_graphs.json" 2>"$OUT/run_graphs.log" || status=1
+python3 - "$OUT/run.json" "$OUT/run_graphs.json" <<'PY' 2>&1 | tee -a "$OUT/summary.txt" || status=1
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:3])
+ta, tb = a["new_tokens"], b["new_tokens"]
+print("run tokens", ta[:12], "...", len(ta), "| graphs equal:", ta == tb)
+sys.exit(0 if ta == tb and len(ta) == 40 else 1)
+PY
+
 PLAIN_ART=/tmp/offgraph_gpu/tiny_cuda_plain.pt2
 step "export example for cuda (bf16) without the decode folds (--no-decode-gemv --no-decode-rope: the compiler's GEMMs)"
 python3 -m offgraph_export export examples/tiny_llama.py:build -o "$PLAIN_ART" --device cuda --dtype bfloat16 \
