@@ -424,7 +424,7 @@ def _rotate_half(x, base, offs, stride, mask, cos, sin, HEAD_DIM: tl.constexpr):
 @triton.jit
 def _decode_attend_kernel(
     q_ptr, k_ptr, v_ptr, k_store_ptr, v_store_ptr, pos_ptr, out_ptr,
-    part_acc_ptr, part_m_ptr, part_l_ptr, cos_ptr, sin_ptr, ticket_ptr,
+    part_acc_ptr, part_m_ptr, part_l_ptr, cos_ptr, sin_ptr,
     sq_b, sq_h, sq_d,
     sk_b, sk_h, sk_d,
     sv_b, sv_h, sv_d,
@@ -440,7 +440,6 @@ def _decode_attend_kernel(
     HAS_WINDOW: tl.constexpr,
     QK_FP32: tl.constexpr, PV_FP32: tl.constexpr,
     ROPE: tl.constexpr,
-    MERGE_LAST: tl.constexpr = False, MERGE_SPLITS: tl.constexpr = 32,
 ):
     """Program (b * Hkv + kv head, split) of a one-token step: the row write and the attention of
     the ``GROUP`` query heads of one kv head in one launch. With ``ROPE`` the query and the new
@@ -529,49 +528,6 @@ def _decode_attend_kernel(
     tl.store(part_m_ptr + part_row, m_i, mask=keep)
     tl.store(part_l_ptr + part_row, l_i, mask=keep)
     tl.store(part_acc_ptr + part_row[:, None] * BLOCK_DV + offs_dv[None, :], acc, mask=keep[:, None])
-    if MERGE_LAST:
-        if (n_used > 1) & (split < n_used):
-            # Every thread's partial stores happen before the ticket (barrier, then one thread's
-            # acq_rel atomic at gpu scope: the release side of a semaphore); the program that
-            # draws the last ticket sees every split's partials (acquire side) and merges them.
-            tl.debug_barrier()
-            ticket = tl.atomic_add(ticket_ptr + pid_bh, 1, sem="acq_rel", scope="gpu")
-            if ticket == n_used - 1:
-                _merge_partials(out_ptr + b * so_b + head[:, None] * so_h + offs_dv[None, :],
-                                part_acc_ptr, part_m_ptr, part_l_ptr, pid_bh.to(tl.int64) * num_splits,
-                                n_used, offs_m, row_ok, offs_dv, dv_ok, BLOCK_M, BLOCK_DV, MERGE_SPLITS)
-                tl.store(ticket_ptr + pid_bh, 0)  # back to zero for the next launch
-
-
-@triton.jit
-def _merge_partials(out_tile, part_acc_ptr, part_m_ptr, part_l_ptr, first_split, n_used,
-                    offs_m, row_ok, offs_dv, dv_ok,
-                    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, MERGE_SPLITS: tl.constexpr):
-    """``out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M)`` over splits ``[0, n_used)``
-    for the tile's query rows, ``MERGE_SPLITS`` splits' partials loaded at once (from L2: ``.cg``,
-    they were written by other programs)."""
-    offs_s = tl.arange(0, MERGE_SPLITS)
-    m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_run = tl.zeros([BLOCK_M], tl.float32)
-    acc_run = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    for s0 in range(0, n_used, MERGE_SPLITS):
-        s_ok = (s0 + offs_s) < n_used
-        rows = (first_split + s0 + offs_s[:, None]) * BLOCK_M + offs_m[None, :]  # [S, M]
-        ok = s_ok[:, None] & row_ok[None, :]
-        m_s = tl.load(part_m_ptr + rows, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        l_s = tl.load(part_l_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg")
-        acc_s = tl.load(part_acc_ptr + rows[:, :, None] * BLOCK_DV + offs_dv[None, None, :],
-                        mask=ok[:, :, None] & dv_ok[None, None, :], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m_run, tl.max(m_s, axis=0))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        w = tl.exp2(m_s - m_ref[None, :])
-        scale = tl.exp2(m_run - m_ref)
-        l_run = l_run * scale + tl.sum(l_s * w, axis=0)
-        acc_run = acc_run * scale[:, None] + tl.sum(acc_s * w[:, :, None], axis=0)
-        m_run = m_new
-    l_safe = tl.where(l_run > 0.0, l_run, 1.0)
-    tl.store(out_tile, (acc_run / l_safe[:, None]).to(out_tile.dtype.element_ty),
-             mask=row_ok[:, None] & dv_ok[None, :])
 
 
 @triton.jit
@@ -690,18 +646,8 @@ def _decode_step(q, k, v, pos, k_store, v_store, window, scale, out_dtype, out, 
     qk_scale = float(scale) * math.log2(math.e)
     wrap_triton = torch.library.wrap_triton
     cos, sin = rope if rope is not None else (pos, pos)  # unread without ROPE
-    # Experimental (scripts/sweep_decode_kernels.py): the last split of a head to finish merges
-    # the partials itself, tickets counted in a zeroed int32 per (batch, kv head).
-    tickets = config.get("tickets")
-    if tickets is None and config.get("merge_last"):
-        tickets = torch.zeros(b * hkv, dtype=torch.int32, device=q.device)
-    merge_last = tickets is not None
-    if merge_last:
-        launch["MERGE_LAST"] = True
-        launch["MERGE_SPLITS"] = config.get("merge_splits", _pow2_at_least(min(splits, 32), floor=2))
     wrap_triton(_decode_attend_kernel)[(b * hkv, splits, 1)](
         q, k, v, k_store, v_store, pos, out, part_acc, part_m, part_l, cos, sin,
-        tickets if merge_last else pos,
         q.stride(0), q.stride(1), q.stride(3),
         k.stride(0), k.stride(1), k.stride(3),
         v.stride(0), v.stride(1), v.stride(3),
@@ -709,8 +655,6 @@ def _decode_step(q, k, v, pos, k_store, v_store, window, scale, out_dtype, out, 
         rows, window_arg, hkv, qk_scale, splits,
         BLOCK_M=block_m, MIN_SPLIT_KEYS=min_split_keys, ROPE=rope is not None, **common, **launch,
     )
-    if merge_last:
-        return out
     wrap_triton(_decode_combine_kernel)[(b * hkv, group, 1)](
         pos, out, part_acc, part_m, part_l, out.stride(0), out.stride(1),
         rows, window_arg, hkv, splits,
