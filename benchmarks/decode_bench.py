@@ -20,7 +20,9 @@ Per contender and history: decode ms/token (median of ``--steps`` steps, CUDA ev
 step, host work included), tokens/s, the floor (weights + the history's K/V bytes, read once at
 the measured copy rate) and the share of it achieved, KV bytes allocated; per contender: export +
 compile seconds, package bytes, prefill of 1024 tokens, and the GPU time of one decode step by
-kernel class (torch.profiler). Subcommands write JSON into ``--out``; ``report.py`` renders them.
+kernel class (torch.profiler). This project's sessions reserve the rows they will use first
+(``Session.reserve(history + decode steps)``, as ``generate`` does for a prompt and its new
+tokens), so their KV bytes are the rows a session of that length needs, not a doubling's. Subcommands write JSON into ``--out``; ``report.py`` renders them.
 
     python benchmarks/decode_bench.py {build-offgraph,build-hf-aoti,hf-compile,measure} --out DIR
 """
@@ -44,6 +46,9 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = str(REPO / "benchmarks" / "configs" / "llama-3.2-1b")
 PREFILL = 1024
+#: Decode steps a measuring session takes beyond ``--steps``: the first (the capture), the timing
+#: warm-up (5) and a kernel breakdown (7), with room to spare; reserved up front.
+EXTRA_DECODE_STEPS = 32
 
 
 # -- shared helpers ------------------------------------------------------------------------------
@@ -328,8 +333,12 @@ def measure_offgraph(args, floor, name: str) -> dict:
     prompt = torch.randint(0, min(1000, vocab_size(args.config)), (1, max(args.history) + PREFILL), generator=gen).to(dev)
     sessions = []
 
+    growths: dict[int, int] = {}  # session -> its growth count after the first decode step
+
     def close_sessions() -> None:
         for s in sessions:
+            if s.metrics().growth_count != growths.get(id(s), s.metrics().growth_count):
+                raise RuntimeError("a session's storage grew while it was measured: raise EXTRA_DECODE_STEPS")
             s.close()
         sessions.clear()
 
@@ -337,6 +346,7 @@ def measure_offgraph(args, floor, name: str) -> dict:
         def step_at(history: int):
             session = artifact.new_session(cuda_graphs=graphs)
             sessions.append(session)
+            session.reserve(history + args.steps + EXTRA_DECODE_STEPS)
             for start in range(0, history, PREFILL):
                 session.step(*make_inputs(prompt[:, start : min(start + PREFILL, history)], start))
             token = prompt[:, history : history + 1]
@@ -352,6 +362,7 @@ def measure_offgraph(args, floor, name: str) -> dict:
                     session.step(*make_inputs(token, session.committed_length))
 
             step()  # first decode step (capture with graphs)
+            growths[id(session)] = session.metrics().growth_count
             return step, session.metrics().allocated_bytes
         return step_at
 
