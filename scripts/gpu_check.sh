@@ -5,6 +5,8 @@
 #      boundaries, chunked prefill, ring wrap), with ordinary launches and with CUDA-graph decode;
 #   3. benchmarks: decode latency at 1k/16k history with and without CUDA graphs, attention
 #      kernel time versus history.
+# The device tool returns at most 8 files from its $OUT: write into a folder outside it and pack that,
+# e.g. `scripts/gpu_check.sh /tmp/res; tar czf $OUT/res.tgz -C /tmp res` (session 9 lost a run's JSON and traces that way).
 # Usage: scripts/gpu_check.sh OUT_DIR [--quick|--no-pytest|--checks-only|--pytest-only]   (logs and results land in OUT_DIR)
 #   --quick: no benchmarks; --no-pytest: no CUDA tests; --checks-only: neither (export + checks only);
 #   --pytest-only: the CUDA tests alone.
