@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Decode at the memory floor, side by side (benchmarks/decode_bench.py says what is measured).
 # One command on the GPU machine, about 8-10 minutes:
+#   benchmarks/run.sh OUT_DIR [decode_bench options, e.g. --history 1024 8192 16384 --steps 100]
 # The device tool returns at most 8 files from its $OUT: write into a folder outside it and pack that,
 # e.g. `benchmarks/run.sh /tmp/res; tar czf $OUT/res.tgz -C /tmp res` (session 9 lost a run's JSON and traces that way).
-#   benchmarks/run.sh OUT_DIR [decode_bench options, e.g. --history 1024 8192 16384 --steps 100]
 # BENCH_VARIANTS picks this project's builds among offgraph (the cuda defaults), offgraph-gemv
 # (--no-decode-rope) and offgraph-unfused (--no-decode-gemv --no-decode-rope); default "offgraph offgraph-unfused".
 # BENCH_CHECKS: which variants `check` runs on (default: all of BENCH_VARIANTS).
