@@ -471,3 +471,66 @@ def test_inspect_lists_the_methods(decode_artifact):
     text = cli("inspect", str(decode_artifact)).stdout
     assert "methods       model, decode  (decode: width 1, static shapes)" in text
     assert "max_autotune=none" in text
+
+
+# -- the decode method against the eager model ----------------------------------------------------
+
+
+def _plain_attention(windows: dict[int, int]):
+    """The neutral op replaced by plain attention over the step's own q, k, v (no cache at all):
+    query i sees key j iff j <= i and, for a layer with a window w, j > i - w. Fed the whole
+    sequence at once, the model computes every position afresh."""
+
+    def attend(q, k, v, position, layer_id, scale, out_dtype):
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        seen = position[None, :] <= position[:, None]
+        if windows.get(layer_id) is not None:
+            seen &= position[None, :] > position[:, None] - windows[layer_id]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.float(), k.float(), v.float(), attn_mask=seen, scale=scale
+        )
+        return out.to(out_dtype)
+
+    return attend
+
+
+def test_decode_method_steps_match_the_eager_model_recomputed_from_scratch(loaded, monkeypatch):
+    """A real session: a 20-token prefill (the general step), then 30 one-token steps that the
+    decode method serves, crossing the growths 16 -> 32 -> 64 rows and wrapping the ring layer
+    (47 rows: positions 47.. land on rows 0..). Oracle: the eager example model run over the
+    whole sequence so far with plain attention and no cache, its last position's logits."""
+    bundle = load_bundle(EXAMPLE)
+    model = bundle.model
+    assert bundle.cache_config.ring_windows == {1: 16}  # the example's last layer sees 16 tokens
+    forward_globals = type(model.layers[0].attention).forward.__globals__
+    assert "update_and_attend" in forward_globals  # the name the example's attention calls
+    monkeypatch.setitem(forward_globals, "update_and_attend", _plain_attention(bundle.cache_config.ring_windows))
+
+    def recomputed(prefix: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return model(*bundle.make_inputs(prefix, 0))[:, -1]
+
+    spied = Artifact(loaded.path, loaded.specs, loaded.methods)
+    calls = {name: 0 for name in spied._runs}
+    for name, run in list(spied._runs.items()):
+        def counted(flat, name=name, run=run):
+            calls[name] += 1
+            return run(flat)
+        spied._runs[name] = counted
+    session = spied.new_session()
+    prefill, total = 20, 50
+    tokens = _tokens(total, seed=3)
+    logits = session.step(*bundle.make_inputs(tokens[:, :prefill], 0))[0]
+    torch.testing.assert_close(logits[:, -1], recomputed(tokens[:, :prefill]), atol=1e-4, rtol=1e-4)
+    assert calls == {STEP_METHOD: 1, DECODE_METHOD: 0}
+    for i in range(prefill, total):
+        got = session.step(*bundle.make_inputs(tokens[:, i : i + 1], i))[0]
+        assert got.shape == (1, 1, 256)
+        want = recomputed(tokens[:, : i + 1])
+        torch.testing.assert_close(got[:, -1], want, atol=1e-4, rtol=1e-4, msg=lambda m, i=i: f"position {i}: {m}")
+    metrics = session.metrics()
+    assert metrics.decode_method_steps == total - prefill
+    assert calls == {STEP_METHOD: 1, DECODE_METHOD: total - prefill}  # the compiled decode method ran
+    assert metrics.growth_count == 2 and metrics.committed_length == total
+    assert total > 16 + 32 - 1  # past the ring's rows: the last steps wrote over its oldest rows

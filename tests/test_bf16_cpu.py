@@ -1,0 +1,97 @@
+"""The example exported in bfloat16 for cpu (as ``export --dtype bfloat16`` does: the bundle cast,
+then ``export_and_lower``) and checked step by step against the eager bf16 model: the check passes
+with the bf16 tolerance, and fails against the same model with one weight changed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from offgraph_export.check import TOLERANCES, check_artifact
+from offgraph_export.frontends import canonical_reference, load_bundle
+from offgraph_export.models import cast_bundle
+from offgraph_export.pipeline import export_and_lower
+from offgraph_export.runtime import Artifact
+from tests.conftest import EXAMPLE
+
+pytestmark = pytest.mark.slow  # one AOTInductor compile (the fixture below)
+
+
+def _bf16_bundle():
+    return cast_bundle(load_bundle(EXAMPLE), "bfloat16")
+
+
+@pytest.fixture(scope="module")
+def bf16_artifact(tmp_path_factory) -> Artifact:
+    """The one compile of this file: the general step only (no decode method on cpu)."""
+    path = tmp_path_factory.mktemp("bf16") / "tiny_bf16.pt2"
+    out, program, _ = export_and_lower(
+        _bf16_bundle(), path, device="cpu", model=canonical_reference(EXAMPLE), model_args={}, model_dtype="bfloat16",
+    )
+    assert program.decode is None
+    return Artifact.load(out)
+
+
+def test_bf16_artifact_holds_bf16_weights_and_storage(bf16_artifact):
+    """What the check below would not notice by itself: a program compiled in float32 would also
+    pass against the bf16 model with the bf16 tolerance."""
+    from offgraph_export.runtime.weights import load_method_weights
+    from offgraph_export.specs.artifact import STEP_METHOD
+
+    specs = bf16_artifact.specs
+    assert specs.device == "cpu" and specs.model_dtype == "bfloat16" and specs.methods == [STEP_METHOD]
+    assert specs.manifest.storage_dtype == "bfloat16"
+    weights = load_method_weights(bf16_artifact.path, [STEP_METHOD], torch.device("cpu"))[STEP_METHOD]
+    assert weights and {w.dtype for w in weights.values() if w.is_floating_point()} == {torch.bfloat16}
+    session = bf16_artifact.new_session()
+    assert {t.dtype for t in session.storage.bound()} == {torch.bfloat16}
+    session.close()
+
+
+def _eager_scales(bundle, manifest, report) -> list[float]:
+    """The largest |logit| of the eager bf16 model at each step of the check's schedule, replayed
+    here on the check's tokens (the scale its relative tolerance multiplies)."""
+    tokens = torch.randint(
+        0, bundle.vocab_size, (manifest.batch_size, sum(report.schedule)),
+        generator=torch.Generator().manual_seed(report.seed),
+    )
+    oracle = bundle.oracle(manifest)
+    scales, start = [], 0
+    with torch.no_grad():
+        for width in report.schedule:
+            out = oracle.step(bundle.make_inputs(tokens[:, start : start + width], start))[0]
+            scales.append(float(out.float().abs().max()))
+            start += width
+    return scales
+
+
+def test_bf16_cpu_artifact_passes_the_check_with_the_bf16_tolerance(bf16_artifact):
+    bundle = _bf16_bundle()
+    assert next(bundle.model.parameters()).dtype == torch.bfloat16
+    report = check_artifact(bf16_artifact, bundle)
+    assert report.passed, report.render()
+    assert report.growths >= 2 and report.ring_wraps == {"1": True}
+    assert len(report.steps) == len(report.schedule) and report.schedule[-16:] == [1] * 16
+    atol, rtol = TOLERANCES[torch.bfloat16]
+    assert (atol, rtol) != TOLERANCES[torch.float32]
+    scales = _eager_scales(bundle, bf16_artifact.specs.manifest, report)
+    for step, scale in zip(report.steps, scales, strict=True):
+        assert step.method == "model" and step.ok
+        # the tolerance the check applied is the bf16 one, on the eager output's own scale
+        assert step.tolerance == pytest.approx(atol + rtol * scale, rel=1e-6), (step.index, step.tolerance, scale)
+        assert step.max_abs_err <= step.tolerance
+
+
+def test_bf16_check_fails_against_a_model_with_one_weight_changed(bf16_artifact):
+    """The comparison is live: the same check against the eager model with one element of the
+    output projection changed reports output mismatches (and nothing else: the K/V are intact)."""
+    bundle = _bf16_bundle()
+    with torch.no_grad():
+        bundle.model.output.weight[7, 0] += 4.0
+    report = check_artifact(bf16_artifact, bundle)
+    assert not report.passed
+    failing = [s for s in report.steps if not s.ok]
+    assert failing and len(report.steps) == len(report.schedule)  # every step ran; none was refused
+    for step in failing:
+        assert all(p.startswith("output differs from eager by") for p in step.problems), step.problems
+        assert step.max_abs_err > step.tolerance
