@@ -87,7 +87,8 @@ def test_the_executorch_oracle_refuses_sparse_layer_ids():
     manifest = parse_manifest(
         '{"version": 1, "storage_dtype": "float32", "batch_size": 1, "max_capacity": 16, "initial_capacity": 4,'
         ' "max_write": 4, "layers": [{"layer_id": 2147483647, "window": null, "kv_heads": 1, "head_dim": 4,'
-        ' "v_head_dim": 4, "k": {"name": "k", "index": 2}, "v": {"name": "v", "index": 3}}]}'
+        ' "v_head_dim": 4, "k": {"name": "k_cache_2147483647", "index": 2},'
+        ' "v": {"name": "v_cache_2147483647", "index": 3}}]}'
     )
     with pytest.raises(OffgraphError, match=r"numbers layers 0..n-1; the manifest has layer ids \[2147483647\]"):
         ExecuTorchCacheOracle(torch.nn.Identity(), manifest)

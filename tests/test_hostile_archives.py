@@ -17,7 +17,9 @@ import pytest
 
 from offgraph_export.errors import ArtifactError
 from offgraph_export.runtime import Artifact
+from offgraph_export.specs.archive import check_pt2_layout
 from offgraph_export.specs.artifact import SPECS_ENTRY, read_artifact_specs
+from offgraph_export.specs.limits import MAX_SPEC_ITEMS
 from tests.archive_tools import rewrite, specs_edit
 from tests.conftest import EXAMPLE, cli
 
@@ -223,6 +225,46 @@ def _version_string(good, tmp):
     return rewrite(good, tmp / "version.pt2", specs_edit(lambda s: s.update(version="1")))
 
 
+def _storage_renamed(good, tmp):
+    """Layer 0's K storage under layer 1's name: refused for the name, not merely as a manifest
+    that differs from the compiled one (which ``inspect`` never compares)."""
+    return rewrite(good, tmp / "renamed.pt2", specs_edit(lambda s: s["manifest"]["layers"][0]["k"].update(name="k_cache_1")))
+
+
+def _input_names_repeated(good, tmp):
+    return rewrite(good, tmp / "names.pt2", specs_edit(lambda s: s["inputs"][1].update(name=s["inputs"][0]["name"])))
+
+
+def _unbounded_symbol(good, tmp):
+    def change(specs):
+        specs["inputs"][0]["shape"][0] = "batch"
+        specs["symbols"]["batch"] = {"min": 1, "max": None}
+
+    return rewrite(good, tmp / "unbounded.pt2", specs_edit(change))
+
+
+def _directory_entry(good, tmp):
+    """A plain directory entry: no package holds one (the loader took it before)."""
+    return rewrite(good, tmp / "directory.pt2", extra=[(root_of(good) + "extra/", b"")])
+
+
+def _directory_attribute(good, tmp):
+    """The library marked as a folder by its MS-DOS attribute: one ``.so`` to the layout check, a
+    folder to torch's extractor."""
+    def edit(info, data):
+        if info.filename.endswith(".so"):
+            info.external_attr |= 0x10
+        return data
+
+    return rewrite(good, tmp / "dos_directory.pt2", edit_info=edit)
+
+
+def _many_layers(good, tmp):
+    """Two hundred thousand ``{}`` layers (600 kB): validated one by one they made a message of
+    hundreds of megabytes before the refusal."""
+    return rewrite(good, tmp / "layers.pt2", specs_edit(lambda s: s["manifest"].update(layers=[{}] * 200_000)))
+
+
 HOSTILE = [
     pytest.param(_traversal, "climbs out of the package folder", id="traversal"),
     pytest.param(_deep_traversal, "climbs out of the package folder", id="deep-traversal"),
@@ -255,6 +297,13 @@ HOSTILE = [
     pytest.param(_build_from_sources, r"_compile_flags\.json' is not part of an offgraph package", id="build-from-sources"),
     pytest.param(_huge_integer, "offgraph specs entry is not a valid spec: Exceeds the limit", id="huge-integer"),
     pytest.param(_no_library, r"method 'model' holds 0 compiled libraries \(\.so\)", id="no-library"),
+    pytest.param(_storage_renamed, "layer 0: its K storage input is named 'k_cache_1'; expected 'k_cache_0'",
+                 id="storage-name-off-rule"),
+    pytest.param(_input_names_repeated, "input 1 is named 'tokens', the name of input 0", id="input-names-repeated"),
+    pytest.param(_unbounded_symbol, "symbol 'batch' has max null", id="unbounded-symbol"),
+    pytest.param(_directory_entry, r"archive entry '[^']*/extra/' is a directory entry", id="directory-entry"),
+    pytest.param(_directory_attribute, r"wrapper\.so' is marked as a directory", id="directory-attribute"),
+    pytest.param(_many_layers, f"200000 entries; a spec's list or object holds at most {MAX_SPEC_ITEMS}", id="many-layers"),
 ]
 
 
@@ -303,6 +352,52 @@ def test_names_are_checked_even_where_only_the_specs_are_read(example_artifact, 
         read_artifact_specs(path)
     proc = cli("inspect", str(path), check=False)
     assert proc.returncode == 2 and "climbs out" in proc.stderr
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (_directory_entry, "is a directory entry"),
+    (_storage_renamed, "expected 'k_cache_0'"),
+    (_many_layers, "200000 entries"),
+])
+def test_inspect_refuses_what_load_refuses_before_the_compiled_program(make, message, example_artifact, tmp_path):
+    """Where only the specs are read there is no compiled program to compare them with: the
+    specs' own rules are all that stands between the archive and what ``inspect`` reports."""
+    path = make(example_artifact, tmp_path)
+    with pytest.raises(ArtifactError, match=message):
+        read_artifact_specs(path)
+
+
+def _layout_names(example_artifact) -> list[str]:
+    with zipfile.ZipFile(example_artifact) as z:
+        return z.namelist()
+
+
+@pytest.mark.parametrize(("entry", "message"), [
+    ("data/", "is a directory entry"),
+    ("data/aotinductor/model/", "is a directory entry"),
+    ("data/aotinductor/other/", "is a directory entry"),
+    ("anything/at/all/", "is a directory entry"),
+    ("../../", "climbs out"),
+    ("data/./weights/", "directory entry"),
+    ("data/aotinductor/model/.", "empty or '.' segment"),
+    ("data//weights/weight_0", "empty or '.' segment"),
+], ids=["data", "method-folder", "other-method-folder", "anywhere", "climbing", "dot-folder", "dot-file", "empty-segment"])
+def test_the_layout_refuses_directory_entries_and_odd_names(entry, message, example_artifact):
+    """``check_pt2_layout`` accepted every name ending in ``/``, and took names unchecked when given
+    them by anything but ``check_archive``."""
+    names = _layout_names(example_artifact)
+    root = root_of(example_artifact)
+    check_pt2_layout(names, "p.pt2", ["model"])  # control
+    with pytest.raises(ArtifactError, match=re.escape(f"archive entry {root + entry!r} ") + ".*" + re.escape(message)):
+        check_pt2_layout([*names, root + entry], "p.pt2", ["model"])
+
+
+def test_the_layout_checks_names_given_without_check_archive(example_artifact):
+    """A whole package under ``../``: ``archive_root`` finds ``../`` a root of one folder, and
+    every name then matched the layout."""
+    names = [n.replace(root_of(example_artifact), "../", 1) for n in _layout_names(example_artifact)]
+    with pytest.raises(ArtifactError, match="climbs out of the package folder"):
+        check_pt2_layout(names, "p.pt2", ["model"])
 
 
 def test_control_a_faithful_rewrite_loads(example_artifact, tmp_path):

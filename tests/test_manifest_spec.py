@@ -20,8 +20,10 @@ from offgraph_export.specs import (
     ring_rows,
     row_position,
     storage_index,
+    storage_names,
     storage_row,
 )
+from offgraph_export.specs.limits import MAX_SPEC_ITEMS, loads_limited
 
 
 def _layer(layer_id: int, policy: str = "flat", window: int | None = None, first_index: int = 2):
@@ -32,8 +34,8 @@ def _layer(layer_id: int, policy: str = "flat", window: int | None = None, first
         "kv_heads": 2,
         "head_dim": 16,
         "v_head_dim": 8,
-        "k": {"name": f"kv_k_{layer_id}", "index": first_index + 2 * layer_id},
-        "v": {"name": f"kv_v_{layer_id}", "index": first_index + 2 * layer_id + 1},
+        "k": {"name": storage_names(layer_id)[0], "index": first_index + 2 * layer_id},
+        "v": {"name": storage_names(layer_id)[1], "index": first_index + 2 * layer_id + 1},
     }
 
 
@@ -95,7 +97,7 @@ def test_storage_inputs_in_index_order_and_rows():
     data = _manifest(layers=[_layer(1, "ring", 16), _layer(0)])
     manifest = parse_manifest(json.dumps(data))
     assert [s.index for s in manifest.storage_inputs()] == [2, 3, 4, 5]
-    assert [s.name for s in manifest.storage_inputs()] == ["kv_k_0", "kv_v_0", "kv_k_1", "kv_v_1"]
+    assert [s.name for s in manifest.storage_inputs()] == ["k_cache_0", "v_cache_0", "k_cache_1", "v_cache_1"]
     assert manifest.layer(0).rows(capacity=64, max_write=32) == 64
     assert manifest.layer(1).rows(capacity=64, max_write=32) == 16 + 32 - 1
 
@@ -144,6 +146,7 @@ def test_missing_version():
 def test_duplicate_layer_ids():
     layers = [_layer(0), _layer(1)]
     layers[1]["layer_id"] = 0
+    layers[1]["k"]["name"], layers[1]["v"]["name"] = storage_names(0)  # named as its id says
     _rejected(_manifest(layers=layers), "duplicate layer id 0")
 
 
@@ -189,16 +192,37 @@ def test_non_positive_sizes(field):
     _rejected(_manifest(**{field: 0}), field)
 
 
-def test_duplicate_storage_names():
-    layers = [_layer(0), _layer(1)]
-    layers[1]["v"]["name"] = layers[0]["k"]["name"]
-    _rejected(_manifest(layers=layers), "storage input name", repr("kv_k_0"), "used twice")
+def test_storage_names_are_fixed_by_the_layer_id():
+    assert storage_names(0) == ("k_cache_0", "v_cache_0")
+    assert storage_names(12) == ("k_cache_12", "v_cache_12")
 
 
-def test_duplicate_storage_name_within_a_layer():
-    layer = _layer(0)
-    layer["v"]["name"] = layer["k"]["name"]
-    _rejected(_manifest(layers=[layer]), "used twice")
+@pytest.mark.parametrize(("layer", "which", "name", "expected"), [
+    (1, "v", "k_cache_0", "v_cache_1"),  # another layer's name: used twice
+    (0, "v", "k_cache_0", "v_cache_0"),  # K's name for V: used twice within the layer
+    (0, "k", "v_cache_0", "k_cache_0"),
+    (1, "k", "k_cache_0", "k_cache_1"),
+    (0, "k", "kv_k_0", "k_cache_0"),
+    (1, "v", "v_cache_1 ", "v_cache_1"),
+    (0, "k", "k_cache_00", "k_cache_0"),
+], ids=["other-layers-name", "k-name-for-v", "v-name-for-k", "names-swapped-across-layers", "other-scheme",
+        "trailing-space", "leading-zero"])
+def test_storage_names_must_follow_their_layer(layer, which, name, expected):
+    """A storage input is named ``storage_names(layer_id)``: the name a runtime or tool binds by must
+    say which layer (and K or V) the tensor is, so a manifest saying otherwise is refused."""
+    layers = [_layer(0), _layer(1, "ring", 16)]
+    layers[layer][which]["name"] = name
+    _rejected(
+        _manifest(layers=layers),
+        f"layer {layer}: its {which.upper()} storage input is named {name!r}; expected {expected!r}",
+    )
+
+
+def test_storage_names_follow_the_layer_when_built_directly():
+    layer = _layer(3)
+    layer["k"]["name"] = "k_cache_4"
+    with pytest.raises(ValidationError, match="layer 3: its K storage input is named 'k_cache_4'; expected 'k_cache_3'"):
+        CacheManifest.model_validate(_manifest(layers=[layer]))
 
 
 def test_duplicate_storage_indices():
@@ -404,8 +428,37 @@ def test_brackets_inside_strings_do_not_count_as_nesting():
     data = _manifest()
     data["layers"][0]["k"]["name"] = "[" * 100
     data["layers"][0]["v"]["name"] = '\\"[{' * 30
-    manifest = parse_manifest(json.dumps(data))
-    assert manifest.layers[0].k.name == "[" * 100
+    text = json.dumps(data)
+    assert loads_limited(text, MANIFEST_KEY)["layers"][0]["k"]["name"] == "[" * 100
+    _rejected(text, "its K storage input is named '[[[")  # refused for its name, not its nesting
+
+
+def _minimal_layers(n: int) -> list[dict]:
+    return [
+        {"layer_id": i, "window": None, "kv_heads": 1, "head_dim": 1, "v_head_dim": 1,
+         "k": {"name": storage_names(i)[0], "index": 2 + 2 * i}, "v": {"name": storage_names(i)[1], "index": 3 + 2 * i}}
+        for i in range(n)
+    ]
+
+
+def test_layer_count_is_bounded():
+    """The layer count sizes every session's storage (two tensors per layer): bounded by the
+    spec limit, however few bytes a layer takes."""
+    manifest = parse_manifest(json.dumps(_manifest(layers=_minimal_layers(MAX_SPEC_ITEMS)), separators=(",", ":")))
+    assert len(manifest.layers) == MAX_SPEC_ITEMS
+    _rejected(
+        json.dumps(_manifest(layers=_minimal_layers(MAX_SPEC_ITEMS + 1)), separators=(",", ":")),
+        "layers", f"{MAX_SPEC_ITEMS + 1} entries", f"holds at most {MAX_SPEC_ITEMS}",
+    )
+
+
+def test_a_hostile_layer_count_is_refused_before_any_layer_is_validated():
+    """A hundred thousand ``{}`` fit in 300 kB, well inside the JSON size limit; validated one by
+    one they cost eight errors each (a 97 MB message, 190 MiB and seconds before the refusal).
+    The count is refused first, in a message of ordinary length."""
+    text = json.dumps(_manifest(layers=[]))[: -len("[]}")] + "[" + ",".join(["{}"] * 100_000) + "]}"
+    message = _rejected(text, "layers", "100000 entries", f"holds at most {MAX_SPEC_ITEMS}")
+    assert len(message) < 2000, len(message)
 
 
 def test_oversized_json_is_refused():

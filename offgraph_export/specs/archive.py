@@ -2,10 +2,17 @@
 
 Before anything in an archive is extracted or loaded, every entry is checked: its name must be a
 plain relative path inside the package's one root folder (no absolute path, no drive, no ``..``
-after normalization, no backslash, no NUL), it must be a regular file (no symbolic link or other
-special file), names must be unique, and with ``verify_crc`` every member is read and its CRC-32
-compared with the directory's. A bad archive is refused with an :class:`ArtifactError` naming the
-entry. Nothing here imports torch.
+after normalization, no backslash, no NUL, no empty or ``.`` segment), it must be a regular file (no
+symbolic link or other special file, and no directory entry, whether named with a trailing ``/`` or
+marked as one by its attributes), names must be unique, and with ``verify_crc`` every member is read
+and its CRC-32 compared with the directory's. A bad archive is refused with an
+:class:`ArtifactError` naming the entry. Nothing here imports torch.
+
+Directory entries are refused rather than skipped: a package needs none (folders are implied by the
+files' names; neither torch's writer nor this project writes one, and this project extracts nothing),
+so one only adds a name that the checks here and torch's loader could read differently. Its
+extractor (miniz) takes an entry with the MS-DOS directory attribute for a folder whatever its name:
+a ``.so`` so marked would pass here as the method's library, and torch fails to extract it.
 """
 
 from __future__ import annotations
@@ -54,12 +61,27 @@ def _check_name(name: str, source: str) -> None:
         raise bad("climbs out of the package folder")
     if any(part == ".." for part in name.split("/")):
         raise bad("contains a '..' segment")
+    if name.endswith("/"):
+        raise bad("is a directory entry; a package holds only files")
+    if any(part in ("", ".") for part in name.split("/")):
+        raise bad("has an empty or '.' segment; expected a plain path to a file")
+
+
+#: The MS-DOS directory attribute (low byte of a zip entry's external attributes).
+_DOS_DIRECTORY = 0x10
+
+
+def _is_directory(info: zipfile.ZipInfo) -> bool:
+    """Marked as a folder by its attributes: the Unix mode (high bits) or the MS-DOS attribute,
+    which torch's extractor honours whatever the name (a trailing ``/`` is :func:`_check_name`'s)."""
+    return stat.S_ISDIR(info.external_attr >> 16) or bool(info.external_attr & _DOS_DIRECTORY)
 
 
 def _is_special(info: zipfile.ZipInfo) -> bool:
-    """A symbolic link or another non-regular file (the Unix mode in the high external bits)."""
+    """A symbolic link or another non-regular file (the Unix mode in the high external bits;
+    :func:`check_archive` reports a directory first, as one)."""
     kind = stat.S_IFMT(info.external_attr >> 16)  # 0 when the archiver recorded no type
-    return kind not in (0, stat.S_IFREG, stat.S_IFDIR)
+    return kind not in (0, stat.S_IFREG)
 
 
 def archive_root(names: list[str], source: str) -> str:
@@ -105,6 +127,11 @@ def check_archive(path: str | os.PathLike, verify_crc: bool = True) -> list[zipf
             names = [info.filename for info in infos]
             for info in infos:
                 _check_name(info.filename, source)
+                if _is_directory(info):
+                    raise ArtifactError(
+                        f"{source}: archive entry {info.filename!r} is marked as a directory; a package "
+                        "holds only files; refusing to load it"
+                    )
                 if _is_special(info):
                     raise ArtifactError(
                         f"{source}: archive entry {info.filename!r} is a link or special file; "
@@ -164,13 +191,17 @@ def check_pt2_layout(names: list[str], source: str, methods: list[str]) -> None:
     under ``data/aotinductor/``, all present, each with exactly one built library ``.so`` and no
     build files). Anything else, exported programs or pickled constants above all (torch's loader
     would unpickle them), or the makings of a build (torch's loader runs the compile command a
-    flags file names when a method has no library), is refused before any is read."""
+    flags file names when a method has no library), is refused before any is read. Every name is
+    checked as :func:`check_archive` checks it, so the layout holds for names from anywhere, and a
+    directory entry (a name ending in ``/``) is refused here too (see the module docstring)."""
+    for name in names:
+        _check_name(name, source)
     root = archive_root(names, source)
     libraries: dict[str, int] = {method: 0 for method in methods}
     held = set()
     for name in names:
         rel = name[len(root):]
-        if rel in _PT2_FILES or _WEIGHT_ENTRY.fullmatch(rel) or rel.endswith("/"):
+        if rel in _PT2_FILES or _WEIGHT_ENTRY.fullmatch(rel):
             continue
         match = _METHOD_ENTRY.fullmatch(rel)
         if match and match.group(1) in methods and not _BUILD_FILES.fullmatch(rel):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import zipfile
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
@@ -23,7 +23,7 @@ from pydantic import (
 
 from offgraph_export.errors import ArtifactError, SpecError
 from offgraph_export.specs.archive import UNREADABLE_MEMBER, archive_root, check_archive
-from offgraph_export.specs.limits import MAX_JSON_BYTES, loads_limited
+from offgraph_export.specs.limits import MAX_JSON_BYTES, LimitedItems, loads_limited
 from offgraph_export.specs.manifest import CacheManifest
 from offgraph_export.specs.step_width import StepWidthSpec, parse_step_width
 
@@ -69,7 +69,7 @@ class InputSpec(BaseModel):
 
     name: str = Field(min_length=1)
     dtype: TensorDtype
-    shape: list[int | str]
+    shape: Annotated[list[int | str], LimitedItems]
     index_bound: int | None = Field(default=None, ge=1)
 
     @field_validator("shape")
@@ -84,6 +84,9 @@ class InputSpec(BaseModel):
 
 
 class SymbolRange(BaseModel):
+    """``[min, max]`` of a dynamic size. ``max`` None (unbounded) is only how the passes describe a
+    symbol before its range is settled: :class:`ArtifactSpecs` takes bounded ranges only."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     min: int = Field(ge=0)
@@ -105,16 +108,17 @@ class ArtifactSpecs(BaseModel):
     manifest: CacheManifest
     device: Literal["cpu", "cuda"]
     step_impl: str
-    inputs: list[InputSpec] = Field(min_length=1)
-    symbols: dict[str, SymbolRange] = Field(default_factory=dict)
+    inputs: Annotated[list[InputSpec], LimitedItems] = Field(min_length=1)
+    #: every range bounded (an int max, never null): admission bounds each dynamic size by it
+    symbols: Annotated[dict[str, SymbolRange], LimitedItems] = Field(default_factory=dict)
     torch_version: str
     model: str = ""
-    model_args: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
+    model_args: Annotated[dict[str, str | int | float | bool | None], LimitedItems] = Field(default_factory=dict)
     model_dtype: str | None = None
     #: the input carrying the step's absolute positions (None: computed inside the program)
     positions_input: int | None = Field(default=None, ge=0)
     #: export options that shaped the program (e.g. ``fuse_projections``, ``max_autotune``)
-    options: dict[str, bool | int | str] = Field(default_factory=dict)
+    options: Annotated[dict[str, bool | int | str], LimitedItems] = Field(default_factory=dict)
     #: the package also holds :data:`DECODE_METHOD`: the step specialized to one token
     decode_method: bool = False
 
@@ -133,6 +137,15 @@ class ArtifactSpecs(BaseModel):
             raise ValueError(f"unknown artifact specs version {self.version}")
         spec = self.step_width
         n = len(self.inputs)
+        # the program's inputs are one namespace: the model's, then the storage (named by the manifest)
+        named: dict[str, str] = {s.name: "a storage input" for s in self.manifest.storage_inputs()}
+        for i, inp in enumerate(self.inputs):
+            if inp.name in named:
+                raise ValueError(
+                    f"input {i} is named {inp.name!r}, the name of {named[inp.name]}; every input of "
+                    "the program needs a name of its own"
+                )
+            named[inp.name] = f"input {i}"
         if spec.input_index >= n:
             raise ValueError(
                 f"step width {self.step_width!r} names input {spec.input_index} but the model "
@@ -166,6 +179,12 @@ class ArtifactSpecs(BaseModel):
                 f"the token width range [{width_range.min}, {width_range.max}] must lie in "
                 f"[1, max_write={self.manifest.max_write}]"
             )
+        for name, rng in self.symbols.items():
+            if rng.max is None:
+                raise ValueError(
+                    f"symbol {name!r} has max null; a symbol's range must be bounded: an integer max >= "
+                    f"min={rng.min}"
+                )
         for inp in self.inputs:
             for size in inp.shape:
                 if isinstance(size, str) and size not in self.symbols:

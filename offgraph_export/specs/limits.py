@@ -6,18 +6,43 @@ so anything deeper than :data:`MAX_JSON_DEPTH` or larger than :data:`MAX_JSON_BY
 before parsing, with the same error type as any other malformed spec. Two things Python's parser
 takes and JSON does not are refused too: ``NaN``/``Infinity`` (they would be written back as
 ``null``) and a key given twice in one object (other readers may keep the first).
+
+Within that size, a list or object of a spec (the manifest's layers, the model's inputs, an input's
+dims, the symbols, model arguments, options) holds at most :data:`MAX_SPEC_ITEMS` entries, checked
+(:data:`LimitedItems`) before any entry is validated.
 """
 
 from __future__ import annotations
 
 import json
 
+from pydantic import BeforeValidator
+
 from offgraph_export.errors import SpecError
 
-__all__ = ["MAX_JSON_BYTES", "MAX_JSON_DEPTH", "loads_limited"]
+__all__ = ["MAX_JSON_BYTES", "MAX_JSON_DEPTH", "MAX_SPEC_ITEMS", "LimitedItems", "loads_limited"]
 
 MAX_JSON_BYTES = 4 << 20
 MAX_JSON_DEPTH = 16
+#: The most entries one list or object of a spec may hold. :data:`MAX_JSON_BYTES` alone lets a
+#: manifest hold a million layers ``{}`` of three bytes each: validated one by one, each costs
+#: several errors (gigabytes of them, and a message as long, before the manifest is refused), and a
+#: valid layer count sizes every session's storage (two tensors per layer). Real models have a few
+#: hundred layers at most, and a handful of inputs of a few dims each.
+MAX_SPEC_ITEMS = 4096
+
+
+def _limit_items(value: object) -> object:
+    """``value`` unchanged, or ``ValueError`` when it is a list or object of more than
+    :data:`MAX_SPEC_ITEMS` entries."""
+    if isinstance(value, (list, dict)) and len(value) > MAX_SPEC_ITEMS:
+        raise ValueError(f"{len(value)} entries; a spec's list or object holds at most {MAX_SPEC_ITEMS}")
+    return value
+
+
+#: Annotate a list or dict field of a spec with this (``Annotated[list[X], LimitedItems]``): its
+#: entry count is checked before any entry is validated.
+LimitedItems = BeforeValidator(_limit_items)
 
 
 def _depth(text: str) -> int:

@@ -19,14 +19,15 @@ This module is also the one place that defines the storage rules every other mod
 * :meth:`CacheManifest.storage_shape` and :meth:`CacheManifest.owner`: the shape of a storage input
   ``[batch, kv_heads, rows, head_dim | v_head_dim]`` and which layer (K or V) owns it;
 * :func:`storage_names` and :func:`storage_index`: the storage inputs follow the model's own inputs,
-  K then V per layer, in the order of the layers.
+  K then V per layer, in the order of the layers, and each is named after its layer (a manifest
+  whose names disagree is refused, so names are unique because layer ids are).
 """
 
 from __future__ import annotations
 
 from functools import cached_property
 
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -38,7 +39,7 @@ from pydantic import (
 )
 
 from offgraph_export.errors import SpecError
-from offgraph_export.specs.limits import loads_limited
+from offgraph_export.specs.limits import LimitedItems, loads_limited
 
 __all__ = [
     "MANIFEST_KEY",
@@ -166,6 +167,16 @@ class LayerManifest(BaseModel):
         """Storage rows of this layer when flat layers hold ``capacity`` rows."""
         return capacity if self.window is None else ring_rows(self.window, max_write)
 
+    @model_validator(mode="after")
+    def _named_after_layer(self) -> "LayerManifest":
+        for which, storage, expected in zip(("K", "V"), (self.k, self.v), storage_names(self.layer_id)):
+            if storage.name != expected:
+                raise ValueError(
+                    f"layer {self.layer_id}: its {which} storage input is named {storage.name!r}; "
+                    f"expected {expected!r}"
+                )
+        return self
+
     def head_dim_of(self, which: Which) -> int:
         return self.head_dim if which == "k" else self.v_head_dim
 
@@ -183,7 +194,8 @@ class CacheManifest(BaseModel):
     max_capacity: int = Field(ge=1, le=MAX_EXTENT)
     initial_capacity: int = Field(ge=1, le=MAX_EXTENT)
     max_write: int = Field(ge=1, le=MAX_EXTENT)
-    layers: list[LayerManifest] = Field(min_length=1)
+    #: at most MAX_SPEC_ITEMS, counted before any layer is validated
+    layers: Annotated[list[LayerManifest], LimitedItems] = Field(min_length=1)
 
     @model_validator(mode="after")
     def _consistent(self) -> "CacheManifest":
@@ -200,7 +212,6 @@ class CacheManifest(BaseModel):
                 f"initial_capacity={self.initial_capacity} exceeds max_capacity={self.max_capacity}"
             )
         seen: set[int] = set()
-        names: set[str] = set()
         indices: set[int] = set()
         for layer in self.layers:
             rows = self.rows(layer, self.max_capacity)
@@ -215,12 +226,9 @@ class CacheManifest(BaseModel):
             if layer.layer_id in seen:
                 raise ValueError(f"duplicate layer id {layer.layer_id} in manifest")
             seen.add(layer.layer_id)
-            for storage in (layer.k, layer.v):
-                if storage.name in names:
-                    raise ValueError(f"storage input name {storage.name!r} used twice")
+            for storage in (layer.k, layer.v):  # names are unique: storage_names of unique ids
                 if storage.index in indices:
                     raise ValueError(f"storage input index {storage.index} used twice")
-                names.add(storage.name)
                 indices.add(storage.index)
         return self
 
