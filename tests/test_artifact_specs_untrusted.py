@@ -11,7 +11,7 @@ import pytest
 
 from offgraph_export.errors import ArtifactError
 from offgraph_export.specs import SymbolRange, parse_artifact_specs
-from offgraph_export.specs.limits import MAX_SPEC_ITEMS
+from offgraph_export.specs.limits import MAX_SPEC_ITEMS, MAX_SPEC_VALUES
 
 #: the specs of the bundled example, as exported (`examples/tiny_llama.py:build`, defaults)
 SPECS = {
@@ -119,23 +119,17 @@ def test_a_null_max_on_an_unused_symbol_is_refused():
     )
 
 
-def test_a_null_max_on_the_width_symbol_is_still_refused_as_before():
+def test_a_null_max_on_the_width_symbol_is_refused_like_any_other():
     _refused(
         _specs(lambda s: s["symbols"]["s27"].update(max=None)),
-        "the token width range [1, None] must lie in [1, max_write=32]",
+        "symbol 's27' has max null; a symbol's range must be bounded: an integer max >= min=1",
     )
-
-
-def test_the_passes_may_still_describe_an_unbounded_symbol_before_its_range_is_settled():
-    """``passes/graph_utils.describe_inputs`` builds ``SymbolRange(max=None)`` where torch reports no
-    bound (range hints on torch 2.11); the pipeline bounds the width before the specs exist."""
-    assert SymbolRange(min=2, max=None).max is None
 
 
 # -- entry counts -----------------------------------------------------------------------------
 
 
-N = 100_000  # entries of two or three bytes: 300 kB, well inside the JSON size limit
+N = 20_000  # entries of two or three bytes: 60 kB, inside the JSON size limit and MAX_SPEC_VALUES
 
 HOSTILE_COUNTS = [
     pytest.param(lambda s: s["manifest"].update(layers=[{}] * N), "manifest.layers", id="layers"),
@@ -164,3 +158,25 @@ def test_entry_counts_up_to_the_limit_are_taken():
         _specs(lambda s: s.update(model_args={f"a{i}": i for i in range(MAX_SPEC_ITEMS + 1)})),
         f"{MAX_SPEC_ITEMS + 1} entries",
     )
+
+
+# -- values in all ------------------------------------------------------------------------------
+
+
+def _extra_keys(where):
+    def change(s):
+        target = {"top": s, "input": s["inputs"][0], "storage": s["manifest"]["layers"][0]["k"]}[where]
+        target.update({f"x{i}": 0 for i in range(300_000)})
+    return change
+
+
+@pytest.mark.parametrize("where", ["top", "input", "storage"])
+def test_unknown_keys_past_the_value_limit_are_refused_before_validation(where):
+    """Objects of fixed fields take no per-collection count; 300,000 unknown keys (3.5 MB, inside
+    the size limit) were one validation error each: a 55-60 MB message before the refusal."""
+    message = _refused(_specs(_extra_keys(where)), f"holds more than {MAX_SPEC_VALUES} values")
+    assert len(message) < 500, len(message)
+
+
+def test_unknown_keys_below_the_value_limit_are_refused_by_name():
+    _refused(_specs(lambda s: s.update(surprise=1)), "surprise")

@@ -48,23 +48,6 @@ def test_bf16_artifact_holds_bf16_weights_and_storage(bf16_artifact):
     session.close()
 
 
-def _eager_scales(bundle, manifest, report) -> list[float]:
-    """The largest |logit| of the eager bf16 model at each step of the check's schedule, replayed
-    here on the check's tokens (the scale its relative tolerance multiplies)."""
-    tokens = torch.randint(
-        0, bundle.vocab_size, (manifest.batch_size, sum(report.schedule)),
-        generator=torch.Generator().manual_seed(report.seed),
-    )
-    oracle = bundle.oracle(manifest)
-    scales, start = [], 0
-    with torch.no_grad():
-        for width in report.schedule:
-            out = oracle.step(bundle.make_inputs(tokens[:, start : start + width], start))[0]
-            scales.append(float(out.float().abs().max()))
-            start += width
-    return scales
-
-
 def test_bf16_cpu_artifact_passes_the_check_with_the_bf16_tolerance(bf16_artifact):
     bundle = _bf16_bundle()
     assert next(bundle.model.parameters()).dtype == torch.bfloat16
@@ -73,13 +56,16 @@ def test_bf16_cpu_artifact_passes_the_check_with_the_bf16_tolerance(bf16_artifac
     assert report.growths >= 2 and report.ring_wraps == {"1": True}
     assert len(report.steps) == len(report.schedule) and report.schedule[-16:] == [1] * 16
     atol, rtol = TOLERANCES[torch.bfloat16]
-    assert (atol, rtol) != TOLERANCES[torch.float32]
-    scales = _eager_scales(bundle, bf16_artifact.specs.manifest, report)
-    for step, scale in zip(report.steps, scales, strict=True):
+    fp32_atol, fp32_rtol = TOLERANCES[torch.float32]
+    for step in report.steps:
         assert step.method == "model" and step.ok
-        # the tolerance the check applied is the bf16 one, on the eager output's own scale
-        assert step.tolerance == pytest.approx(atol + rtol * scale, rel=1e-6), (step.index, step.tolerance, scale)
+        # the bf16 tolerance was applied: at least its atol, and (logits of a few units here) small
+        # enough that the scale it implies keeps the float32 tolerance below 2e-3
+        assert atol <= step.tolerance < 1.0, (step.index, step.tolerance)
         assert step.max_abs_err <= step.tolerance
+    implied_fp32 = max(fp32_atol + fp32_rtol * (s.tolerance - atol) / rtol for s in report.steps)
+    # and it was needed: bf16 rounding puts the compiled step beyond what float32 would allow
+    assert max(s.max_abs_err for s in report.steps) > 5 * implied_fp32
 
 
 def test_bf16_check_fails_against_a_model_with_one_weight_changed(bf16_artifact):

@@ -56,6 +56,8 @@ def _cases(tmp_path: Path, artifact: Path) -> dict[str, tuple]:
         "container-arg": _case(["export", EXAMPLE, "-a", "n_layers=[1, 2]", "-o", out], "list values are not taken"),
         "infinite-arg": _case(["export", EXAMPLE, "-a", "n_layers=1e999", "-o", out], "'1e999' is not a finite number"),
         "arg-given-twice": _case(["export", EXAMPLE, "-a", "n_layers=1", "-a", "n_layers=2", "-o", out], "given twice"),
+        "dot-stem-output": _case(["export", EXAMPLE, "-o", str(tmp_path / "..pt2")],
+                                 "'.' is not a plain folder name"),
         "builtin-factory": _case(["export", "os:system", "-a", f"command='touch {tmp_path / 'ran'}'", "-o", out],
                                  "'os:system' is a builtin_function_or_method, not a Python function"),
         "class-factory": _case(["export", _factory(tmp_path, "class build:\n    pass\n"), "-o", out], "is a type, not a Python function"),
@@ -132,6 +134,7 @@ CASE_NAMES = [
     "hf-unknown-option", "cuda-without-gpu", "container-arg", "infinite-arg", "arg-given-twice",
     "builtin-factory", "class-factory", "max-write-1", "autotune-decode-without-decode-method",
     "backend-with-pt2", "bundle-bad-token-dim", "bundle-config-not-a-config", "hf-empty-directory",
+    "dot-stem-output",
 ]
 
 

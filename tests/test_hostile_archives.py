@@ -19,7 +19,7 @@ from offgraph_export.errors import ArtifactError
 from offgraph_export.runtime import Artifact
 from offgraph_export.specs.archive import check_pt2_layout
 from offgraph_export.specs.artifact import SPECS_ENTRY, read_artifact_specs
-from offgraph_export.specs.limits import MAX_SPEC_ITEMS
+from offgraph_export.specs.limits import MAX_SPEC_ITEMS, MAX_SPEC_VALUES
 from tests.archive_tools import rewrite, specs_edit
 from tests.conftest import EXAMPLE, cli
 
@@ -260,9 +260,17 @@ def _directory_attribute(good, tmp):
 
 
 def _many_layers(good, tmp):
-    """Two hundred thousand ``{}`` layers (600 kB): validated one by one they made a message of
-    hundreds of megabytes before the refusal."""
-    return rewrite(good, tmp / "layers.pt2", specs_edit(lambda s: s["manifest"].update(layers=[{}] * 200_000)))
+    """Twenty thousand ``{}`` layers (60 kB; fewer values than MAX_SPEC_VALUES): validated one by
+    one they made a message of tens of megabytes before the refusal."""
+    return rewrite(good, tmp / "layers.pt2", specs_edit(lambda s: s["manifest"].update(layers=[{}] * 20_000)))
+
+
+def _many_values(good, tmp):
+    """Two hundred thousand unknown keys in a layer's K storage (2.6 MB; objects of fixed fields
+    take no per-collection count): one validation error each before the value limit."""
+    def edit(s):
+        s["manifest"]["layers"][0]["k"].update({f"x{i}": 0 for i in range(200_000)})
+    return rewrite(good, tmp / "values.pt2", specs_edit(edit))
 
 
 HOSTILE = [
@@ -303,7 +311,8 @@ HOSTILE = [
     pytest.param(_unbounded_symbol, "symbol 'batch' has max null", id="unbounded-symbol"),
     pytest.param(_directory_entry, r"archive entry '[^']*/extra/' is a directory entry", id="directory-entry"),
     pytest.param(_directory_attribute, r"wrapper\.so' is marked as a directory", id="directory-attribute"),
-    pytest.param(_many_layers, f"200000 entries; a spec's list or object holds at most {MAX_SPEC_ITEMS}", id="many-layers"),
+    pytest.param(_many_layers, f"20000 entries; a spec's list or object holds at most {MAX_SPEC_ITEMS}", id="many-layers"),
+    pytest.param(_many_values, f"holds more than {MAX_SPEC_VALUES} values", id="many-values"),
 ]
 
 
@@ -357,7 +366,8 @@ def test_names_are_checked_even_where_only_the_specs_are_read(example_artifact, 
 @pytest.mark.parametrize(("make", "message"), [
     (_directory_entry, "is a directory entry"),
     (_storage_renamed, "expected 'k_cache_0'"),
-    (_many_layers, "200000 entries"),
+    (_many_layers, "20000 entries"),
+    (_many_values, f"more than {MAX_SPEC_VALUES} values"),
 ])
 def test_inspect_refuses_what_load_refuses_before_the_compiled_program(make, message, example_artifact, tmp_path):
     """Where only the specs are read there is no compiled program to compare them with: the

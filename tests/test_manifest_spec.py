@@ -23,7 +23,7 @@ from offgraph_export.specs import (
     storage_names,
     storage_row,
 )
-from offgraph_export.specs.limits import MAX_SPEC_ITEMS, loads_limited
+from offgraph_export.specs.limits import MAX_SPEC_ITEMS, MAX_SPEC_VALUES, loads_limited
 
 
 def _layer(layer_id: int, policy: str = "flat", window: int | None = None, first_index: int = 2):
@@ -453,12 +453,17 @@ def test_layer_count_is_bounded():
 
 
 def test_a_hostile_layer_count_is_refused_before_any_layer_is_validated():
-    """A hundred thousand ``{}`` fit in 300 kB, well inside the JSON size limit; validated one by
-    one they cost eight errors each (a 97 MB message, 190 MiB and seconds before the refusal).
-    The count is refused first, in a message of ordinary length."""
-    text = json.dumps(_manifest(layers=[]))[: -len("[]}")] + "[" + ",".join(["{}"] * 100_000) + "]}"
-    message = _rejected(text, "layers", "100000 entries", f"holds at most {MAX_SPEC_ITEMS}")
+    """Twenty thousand ``{}`` fit in 60 kB, inside the JSON size limit and the value limit;
+    validated one by one they cost eight errors each (a hundred thousand: a 97 MB message, 190 MiB
+    and seconds before the refusal). The count is refused first, in a message of ordinary length;
+    a hundred thousand pass the value limit first."""
+    def text(n: int) -> str:
+        return json.dumps(_manifest(layers=[]))[: -len("[]}")] + "[" + ",".join(["{}"] * n) + "]}"
+
+    message = _rejected(text(20_000), "layers", "20000 entries", f"holds at most {MAX_SPEC_ITEMS}")
     assert len(message) < 2000, len(message)
+    message = _rejected(text(100_000), f"holds more than {MAX_SPEC_VALUES} values")
+    assert len(message) < 500, len(message)
 
 
 def test_oversized_json_is_refused():

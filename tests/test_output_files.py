@@ -4,6 +4,8 @@ failed has its old bytes back)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from offgraph_export.errors import ExportError
@@ -77,3 +79,15 @@ def test_a_directory_at_a_target_is_refused_and_kept(tmp_path):
             publish([(tmp_dir / "d", out / "model.ptd"), (tmp_dir / "p", out / "model.pte")], tmp_dir)
     assert (out / "model.ptd" / "notes.txt").read_text() == "important"
     assert sorted(p.name for p in out.iterdir()) == ["model.ptd"]
+
+
+@pytest.mark.parametrize("name", ["..pt2", "a\\b.pt2"])
+def test_compile_package_refuses_a_file_name_its_loader_would_refuse_before_compiling(tmp_path, name):
+    """torch names the archive's root folder after the stem: ``..pt2`` gives entries ``./...``,
+    which loading refuses, so the export would compile for minutes and write a package no one can
+    load. Refused first (nothing compiled: the programs and specs are not even looked at)."""
+    from offgraph_export.lowering.aoti import compile_package
+
+    with pytest.raises(ExportError, match=re.escape(f"artifact file name {name!r} cannot name the package's folder")):
+        compile_package({}, tmp_path / name, specs=None)  # type: ignore[arg-type]
+    assert list(tmp_path.iterdir()) == []

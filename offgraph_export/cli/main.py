@@ -78,6 +78,16 @@ def _check_output(path: str, suffix: str) -> Path:
         raise click.BadParameter(f"{path!r} must end in {suffix}", param_hint="'-o'")
     if target.is_dir():
         raise click.BadParameter(f"{path!r} is a directory", param_hint="'-o'")
+    if suffix == ".pt2":
+        from offgraph_export.specs.archive import check_package_stem
+
+        try:  # torch names the archive's root folder after the stem
+            check_package_stem(target.stem, path)
+        except OffgraphError:
+            raise click.BadParameter(
+                f"{path!r}: the name before .pt2 becomes the package's folder, and {target.stem!r} is not "
+                "a plain folder name; pick another", param_hint="'-o'",
+            ) from None
     parent = target.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent

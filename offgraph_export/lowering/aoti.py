@@ -25,6 +25,7 @@ from torch.export import ExportedProgram
 from offgraph_export.compat import unlifted_module
 from offgraph_export.errors import ArtifactError, ExportError
 from offgraph_export.lowering.output_files import publish, staging
+from offgraph_export.specs.archive import check_package_stem
 from offgraph_export.specs.artifact import (
     METHOD_KEY,
     PROGRAM_KEY,
@@ -113,6 +114,13 @@ def compile_package(
     target = Path(path)
     if target.suffix != ".pt2":
         raise ExportError(f"artifact path {str(target)!r} must end in .pt2")
+    try:  # the archive's root folder is the file's stem: refuse a stem its own loader would refuse
+        check_package_stem(target.stem, str(target))
+    except ArtifactError as exc:
+        raise ExportError(
+            f"artifact file name {target.name!r} cannot name the package's folder: {target.stem!r} is not a "
+            "plain folder name; pick another name"
+        ) from exc
     if sorted(programs) != sorted(specs.methods):
         raise ExportError(f"got programs for methods {sorted(programs)}, the specs name {specs.methods}")
     # The archive's root folder is named after the file stem, so keep the stem.

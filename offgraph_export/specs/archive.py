@@ -34,6 +34,7 @@ __all__ = [
     "AOTI_DIR",
     "WEIGHT_FILE",
     "check_archive",
+    "check_package_stem",
     "archive_root",
     "regular_file",
     "check_pt2_layout",
@@ -65,6 +66,13 @@ def _check_name(name: str, source: str) -> None:
         raise bad("is a directory entry; a package holds only files")
     if any(part in ("", ".") for part in name.split("/")):
         raise bad("has an empty or '.' segment; expected a plain path to a file")
+
+
+def check_package_stem(stem: str, source: str) -> None:
+    """Raise :class:`ArtifactError` when ``stem`` (a ``.pt2`` file's name without the suffix, which
+    torch's writer makes the archive's root folder) would give entries the checks above refuse,
+    e.g. ``..pt2``: its entries would start with ``./``."""
+    _check_name(f"{stem}/{ROOT_MARKER}", source)
 
 
 #: The MS-DOS directory attribute (low byte of a zip entry's external attributes).

@@ -23,7 +23,7 @@ from pydantic import (
 
 from offgraph_export.errors import ArtifactError, SpecError
 from offgraph_export.specs.archive import UNREADABLE_MEMBER, archive_root, check_archive
-from offgraph_export.specs.limits import MAX_JSON_BYTES, LimitedItems, loads_limited
+from offgraph_export.specs.limits import MAX_JSON_BYTES, MAX_SPEC_VALUES, LimitedItems, loads_limited
 from offgraph_export.specs.manifest import CacheManifest
 from offgraph_export.specs.step_width import StepWidthSpec, parse_step_width
 
@@ -171,20 +171,20 @@ class ArtifactSpecs(BaseModel):
                 f"model_dtype {self.model_dtype!r} disagrees with the cache's storage dtype "
                 f"{self.manifest.storage_dtype!r}: an exported model computes and stores in one dtype"
             )
-        width_range = self.symbols.get(extent)
-        if width_range is None:
-            raise ValueError(f"the token width symbol {extent!r} has no range in symbols")
-        if width_range.min < 1 or width_range.max is None or width_range.max > self.manifest.max_write:
-            raise ValueError(
-                f"the token width range [{width_range.min}, {width_range.max}] must lie in "
-                f"[1, max_write={self.manifest.max_write}]"
-            )
         for name, rng in self.symbols.items():
             if rng.max is None:
                 raise ValueError(
                     f"symbol {name!r} has max null; a symbol's range must be bounded: an integer max >= "
                     f"min={rng.min}"
                 )
+        width_range = self.symbols.get(extent)
+        if width_range is None:
+            raise ValueError(f"the token width symbol {extent!r} has no range in symbols")
+        if width_range.min < 1 or width_range.max > self.manifest.max_write:
+            raise ValueError(
+                f"the token width range [{width_range.min}, {width_range.max}] must lie in "
+                f"[1, max_write={self.manifest.max_write}]"
+            )
         for inp in self.inputs:
             for size in inp.shape:
                 if isinstance(size, str) and size not in self.symbols:
@@ -227,7 +227,7 @@ class ArtifactSpecs(BaseModel):
 
 
 def parse_artifact_specs(text: str | bytes, source: str = "artifact") -> ArtifactSpecs:
-    data = loads_limited(text, f"{source}: offgraph specs entry", ArtifactError)
+    data = loads_limited(text, f"{source}: offgraph specs entry", ArtifactError, max_values=MAX_SPEC_VALUES)
     try:
         return ArtifactSpecs.model_validate(data, strict=True)  # no "256" or 1.0 or true for an int
     except (ValidationError, SpecError) as exc:

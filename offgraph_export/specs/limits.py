@@ -20,7 +20,7 @@ from pydantic import BeforeValidator
 
 from offgraph_export.errors import SpecError
 
-__all__ = ["MAX_JSON_BYTES", "MAX_JSON_DEPTH", "MAX_SPEC_ITEMS", "LimitedItems", "loads_limited"]
+__all__ = ["MAX_JSON_BYTES", "MAX_JSON_DEPTH", "MAX_SPEC_ITEMS", "MAX_SPEC_VALUES", "LimitedItems", "loads_limited"]
 
 MAX_JSON_BYTES = 4 << 20
 MAX_JSON_DEPTH = 16
@@ -30,6 +30,11 @@ MAX_JSON_DEPTH = 16
 #: valid layer count sizes every session's storage (two tensors per layer). Real models have a few
 #: hundred layers at most, and a handful of inputs of a few dims each.
 MAX_SPEC_ITEMS = 4096
+#: The most values (object keys plus list items, at any depth) the specs entry or the manifest may
+#: hold, counted after parsing and before any validation: the per-collection bound above leaves
+#: objects of fixed fields open to thousands of unknown keys, each one validation error. The largest
+#: valid manifest (MAX_SPEC_ITEMS layers of 11 values each) holds about 45,000.
+MAX_SPEC_VALUES = 16 * MAX_SPEC_ITEMS
 
 
 def _limit_items(value: object) -> object:
@@ -86,9 +91,26 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
     return out
 
 
-def loads_limited(text: str | bytes, what: str, error: type[Exception] = SpecError) -> object:
+def _count_values(data: object, limit: int) -> int:
+    """Object keys plus list items in ``data`` at any depth, counting stopped past ``limit``."""
+    count, stack = 0, [data]
+    while stack and count <= limit:
+        node = stack.pop()
+        if isinstance(node, dict):
+            count += len(node)
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            count += len(node)
+            stack.extend(node)
+    return count
+
+
+def loads_limited(
+    text: str | bytes, what: str, error: type[Exception] = SpecError, max_values: int | None = None
+) -> object:
     """Parse JSON ``text`` describing ``what``; raise ``error`` naming ``what`` when it is not
-    valid JSON, larger than :data:`MAX_JSON_BYTES` or nested deeper than :data:`MAX_JSON_DEPTH`."""
+    valid JSON, larger than :data:`MAX_JSON_BYTES`, nested deeper than :data:`MAX_JSON_DEPTH`, or
+    (given ``max_values``, e.g. :data:`MAX_SPEC_VALUES`) holding more values than that."""
     if not isinstance(text, (str, bytes)):
         raise error(f"{what} is a {type(text).__name__}, not JSON text")
     size = len(text) if isinstance(text, bytes) else len(text.encode("utf-8", "surrogatepass"))
@@ -99,10 +121,13 @@ def loads_limited(text: str | bytes, what: str, error: type[Exception] = SpecErr
             text = text.decode("utf-8")
         if _depth(text) > MAX_JSON_DEPTH:
             raise error(f"{what} nests deeper than {MAX_JSON_DEPTH} levels; not a valid spec")
-        return json.loads(text, parse_constant=_no_constant, object_pairs_hook=_unique_keys)
+        data = json.loads(text, parse_constant=_no_constant, object_pairs_hook=_unique_keys)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise error(f"{what} is not valid JSON: {exc}") from exc
     except _NotJson as exc:
         raise error(f"{what} is not valid JSON: {exc}") from exc
     except ValueError as exc:  # e.g. an integer longer than Python converts (sys.get_int_max_str_digits)
         raise error(f"{what} is not a valid spec: {exc}") from exc
+    if max_values is not None and _count_values(data, max_values) > max_values:
+        raise error(f"{what} holds more than {max_values} values (keys and list items); not a valid spec")
+    return data

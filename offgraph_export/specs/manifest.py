@@ -39,7 +39,7 @@ from pydantic import (
 )
 
 from offgraph_export.errors import SpecError
-from offgraph_export.specs.limits import LimitedItems, loads_limited
+from offgraph_export.specs.limits import MAX_SPEC_VALUES, LimitedItems, loads_limited
 
 __all__ = [
     "MANIFEST_KEY",
@@ -303,7 +303,7 @@ class CacheManifest(BaseModel):
 
 def parse_manifest(text: str | bytes) -> CacheManifest:
     """Parse and validate manifest JSON; raise :class:`SpecError` with every problem found."""
-    data = loads_limited(text, MANIFEST_KEY)
+    data = loads_limited(text, MANIFEST_KEY, max_values=MAX_SPEC_VALUES)
     if isinstance(data, dict) and "version" in data and (
         type(data["version"]) is not int or data["version"] != MANIFEST_VERSION
     ):
