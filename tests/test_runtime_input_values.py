@@ -227,3 +227,22 @@ def test_owned_positions_of_a_one_token_step_are_aligned_views(loaded_example):
         assert one.tolist() == [start] and one.is_contiguous() and one.data_ptr() % 16 == 0
     assert values._positions(5, 3).tolist() == [5, 6, 7]
     assert values._positions(0, 0).tolist() == []
+
+
+def test_the_position_table_is_bounded_whatever_the_archive_claims(loaded_example):
+    """The table is sized by the manifest's max_capacity + max_write; an archive may claim 2**31 - 1
+    (a 32 GiB table on the first step). It holds at most TABLE_POSITIONS positions, and positions
+    past it are still the right ones."""
+    from offgraph_export.runtime.input_values import TABLE_POSITIONS, InputValues
+
+    specs = loaded_example.specs
+    huge = specs.model_copy(update={"manifest": specs.manifest.model_copy(update={"max_capacity": 2**31 - 1})})
+    values = InputValues(huge, torch.device("cpu"))
+    assert values._positions(3, 2).tolist() == [3, 4]
+    assert values._table is not None and values._table.numel() == 2 * TABLE_POSITIONS
+    assert values._positions(TABLE_POSITIONS - 1, 3).tolist() == [TABLE_POSITIONS - 1 + i for i in range(3)]
+    assert values._positions(2**31 - 10, 1).tolist() == [2**31 - 10]
+    small = InputValues(specs, torch.device("cpu"))
+    small._positions(0, 1)
+    m = specs.manifest
+    assert small._table.numel() == 2 * (m.max_capacity + m.max_write)  # a real manifest's size, as before

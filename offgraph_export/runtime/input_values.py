@@ -30,6 +30,12 @@ def _on_host(x: torch.Tensor) -> bool:
     return x.device.type == "cpu"
 
 
+#: Positions the per-session table holds at most (16 MB of int64 slots): it is sized by the
+#: archive's ``max_capacity + max_write``, which an archive may put at 2**31 (a 32 GiB table on
+#: the first step); positions past it are made per step like a ring-only model's.
+TABLE_POSITIONS = 1 << 20
+
+
 class InputValues:
     """One session's owner of positions and guard of table indices."""
 
@@ -50,8 +56,8 @@ class InputValues:
         a plain table would sit at an odd 8-byte offset every other step and be copied. A wider
         step gets a strided view, which the session makes dense."""
         manifest = self.specs.manifest
-        size = manifest.max_capacity + manifest.max_write
-        if start + width > size:  # ring-only models have no capacity bound: make them
+        size = min(manifest.max_capacity + manifest.max_write, TABLE_POSITIONS)
+        if start + width > size:  # past the table (ring-only models have no capacity bound): make them
             return torch.arange(start, start + width, dtype=torch.int64, device=self.device)
         if self._table is None:
             self._table = torch.arange(size, dtype=torch.int64, device=self.device).repeat_interleave(2)
