@@ -300,9 +300,8 @@ def test_the_loader_gives_both_methods_the_same_weight_tensors(decode_artifact):
 # -- the runtime ----------------------------------------------------------------------------------
 
 
-def test_one_token_steps_run_the_decode_method_and_match_the_general_step(loaded):
-    bundle = load_bundle(EXAMPLE)
-    tokens = _tokens(40)
+def _counting(loaded: Artifact) -> tuple[Artifact, dict[str, int]]:
+    """An artifact over ``loaded``'s compiled methods that counts the calls of each method."""
     spied = Artifact(loaded.path, loaded.specs, loaded.methods)
     calls = {name: 0 for name in spied._runs}
     for name, run in list(spied._runs.items()):
@@ -310,6 +309,13 @@ def test_one_token_steps_run_the_decode_method_and_match_the_general_step(loaded
             calls[name] += 1
             return run(flat)
         spied._runs[name] = counted
+    return spied, calls
+
+
+def test_one_token_steps_run_the_decode_method_and_match_the_general_step(loaded):
+    bundle = load_bundle(EXAMPLE)
+    tokens = _tokens(40)
+    spied, calls = _counting(loaded)
     fast = spied.new_session()
     general_artifact = Artifact(loaded.path, loaded.specs, loaded.methods)
     general_artifact.method_for = lambda width: STEP_METHOD  # type: ignore[method-assign]
@@ -511,13 +517,7 @@ def test_decode_method_steps_match_the_eager_model_recomputed_from_scratch(loade
         with torch.no_grad():
             return model(*bundle.make_inputs(prefix, 0))[:, -1]
 
-    spied = Artifact(loaded.path, loaded.specs, loaded.methods)
-    calls = {name: 0 for name in spied._runs}
-    for name, run in list(spied._runs.items()):
-        def counted(flat, name=name, run=run):
-            calls[name] += 1
-            return run(flat)
-        spied._runs[name] = counted
+    spied, calls = _counting(loaded)
     session = spied.new_session()
     prefill, total = 20, 50
     tokens = _tokens(total, seed=3)

@@ -82,7 +82,7 @@ def admit_shapes(specs: ArtifactSpecs, inputs: Sequence[object], device: torch.d
                 )
             bindings.setdefault(want, (got, f"{label} dim {d}"))
             rng = specs.symbols.get(want)
-            if rng is not None and (got < rng.min or (rng.max is not None and got > rng.max)):
+            if rng is not None and not rng.min <= got <= rng.max:  # specs hold bounded ranges only
                 raise StepRefused(
                     f"{label} dim {d} is {got}, outside the compiled range [{rng.min}, {rng.max}]"
                 )

@@ -43,6 +43,8 @@ class InputValues:
         self.specs = specs
         self.device = device
         self._table: torch.Tensor | None = None
+        manifest = specs.manifest
+        self._table_size = min(manifest.max_capacity + manifest.max_write, TABLE_POSITIONS)
         self._bounded = [(i, s.index_bound) for i, s in enumerate(specs.inputs) if s.index_bound]
         self._token_dim = None
         if specs.positions_input is not None:
@@ -55,8 +57,7 @@ class InputValues:
         gets a one-element view aligned as the compiled code requires, read in place; a view of
         a plain table would sit at an odd 8-byte offset every other step and be copied. A wider
         step gets a strided view, which the session makes dense."""
-        manifest = self.specs.manifest
-        size = min(manifest.max_capacity + manifest.max_write, TABLE_POSITIONS)
+        size = self._table_size
         if start + width > size:  # past the table (ring-only models have no capacity bound): make them
             return torch.arange(start, start + width, dtype=torch.int64, device=self.device)
         if self._table is None:
