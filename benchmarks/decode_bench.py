@@ -318,7 +318,6 @@ def decode_rows(name: str, mode: str, step_at, histories, steps: int, floor) -> 
 def measure_offgraph(args, floor, name: str) -> dict:
     from offgraph_export.frontends import load_bundle
     from offgraph_export.runtime import Artifact
-    from offgraph_export.runtime.admission import positions_suppliable
 
     art = Path(args.artifacts) / f"{name}.pt2"
     bundle = load_bundle(f"hf:{args.config}", dtype="bfloat16")  # for make_inputs
@@ -348,18 +347,12 @@ def measure_offgraph(args, floor, name: str) -> dict:
             sessions.append(session)
             session.reserve(history + args.steps + EXTRA_DECODE_STEPS)
             for start in range(0, history, PREFILL):
-                session.step(*make_inputs(prompt[:, start : min(start + PREFILL, history)], start))
+                session.feed(make_inputs, prompt[:, start : min(start + PREFILL, history)])
             token = prompt[:, history : history + 1]
-            if positions_suppliable(artifact.specs):
-                # a decode loop hands the token and leaves the positions to the runtime (it owns them)
-                inputs = list(make_inputs(token, history))
-                inputs[artifact.specs.positions_input] = None
+            inputs = make_inputs(token, history)  # built once: a decode loop hands the same token
 
-                def step():
-                    session.step(*inputs)
-            else:
-                def step():
-                    session.step(*make_inputs(token, session.committed_length))
+            def step():
+                session.feed(lambda _tokens, _start: inputs, token)  # the runtime supplies positions
 
             step()  # first decode step (capture with graphs)
             growths[id(session)] = session.metrics().growth_count
@@ -374,8 +367,7 @@ def measure_offgraph(args, floor, name: str) -> dict:
             # work before it), what the static-cache contenders' graph rows time; the difference
             # to the full step is this runtime's host work before the replay
             for session, row in zip(sessions, rows[-len(sessions):]):
-                replay = session._graphs.graph.replay  # noqa: SLF001 (the benchmark looks inside)
-                row["replay_ms"] = time_steps(replay, args.steps)["median_ms"]
+                row["replay_ms"] = time_steps(session.replay_graph, args.steps)["median_ms"]
                 log(f"{name:10s} replay   history {row['history']:6d}: {row['replay_ms']:.3f} ms")
         close_sessions()
     # prefill of 1024 tokens from an empty cache, the general method
@@ -383,7 +375,7 @@ def measure_offgraph(args, floor, name: str) -> dict:
 
     def prefill():
         session.reset()
-        session.step(*make_inputs(prompt[:, :PREFILL], 0))
+        session.feed(make_inputs, prompt[:, :PREFILL])
 
     prefill_t = time_steps(prefill, 10, warmup=2)
     breakdown, breakdown_last = {}, {}

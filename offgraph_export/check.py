@@ -23,14 +23,14 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, Field
 
-from offgraph_export.errors import CheckFailed, OffgraphError
+from offgraph_export.errors import CheckFailed, OffgraphError, first_line
 from offgraph_export.frontends import load_bundle
 from offgraph_export.models import ModelBundle
 from offgraph_export.reference.oracle import Oracle
 from offgraph_export.runtime import load_artifact
-from offgraph_export.runtime.artifact import Artifact
+from offgraph_export.runtime.program import LoadedProgram
 from offgraph_export.runtime.session import Session
-from offgraph_export.specs.manifest import CacheManifest, ring_rows, storage_row
+from offgraph_export.specs.manifest import CacheManifest, paged_row, ring_rows, storage_row
 
 __all__ = [
     "StepReport",
@@ -38,8 +38,14 @@ __all__ = [
     "default_schedule",
     "check_artifact",
     "assert_artifact_matches",
+    "check_batched",
     "TOLERANCES",
+    "MAX_CHECK_STEPS",
 ]
+
+#: the most steps (decode steps, prefill chunks, batched steps) a check runs: a ring-only artifact
+#: bounds no schedule by its capacity, and every step runs the model eagerly too
+MAX_CHECK_STEPS = 100_000
 
 # (atol, rtol) on outputs, by the dtype the model computes in.
 TOLERANCES = {
@@ -57,6 +63,10 @@ class StepReport(BaseModel):
     width_from_spec: int
     #: the compiled method that ran the step (``model``: the general step; ``decode``)
     method: str = ""
+    #: a batched check: the session (its join number) whose tokens these were, and the step's
+    #: tokens over all sessions
+    session: int | None = None
+    step_tokens: int | None = None
     rows_written: dict[str, list[int]] = Field(default_factory=dict)
     max_abs_err: float = 0.0
     tolerance: float = 0.0
@@ -81,8 +91,13 @@ class CheckReport(BaseModel):
     growths: int = 0
     ring_wraps: dict[str, bool] = Field(default_factory=dict)
     steps: list[StepReport] = Field(default_factory=list)
+    #: a batched check: sessions joined in all, and pages crossed within some session's step
+    sessions: int | None = None
+    page_crossings: int = 0
 
     def render(self) -> str:
+        from offgraph_export.specs.text import safe_text
+
         lines = [
             f"check {self.artifact} against {self.model or 'the eager model'} on {self.device}: "
             + ("PASSED" if self.passed else "FAILED"),
@@ -90,18 +105,24 @@ class CheckReport(BaseModel):
             f"  growths: {self.growths}; ring wraps: "
             + (", ".join(f"layer {k}: {'yes' if v else 'no'}" for k, v in self.ring_wraps.items()) or "none"),
         ]
+        if self.sessions is not None:
+            lines.insert(2, f"  sessions: {self.sessions} joined; page crossings: {self.page_crossings}")
         lines += [f"  problem: {p}" for p in self.problems]
         lines += [f"  note: {n}" for n in self.notes]
-        lines.append("  step kind     start width spec  method  max|err|    tol       storage  grew")
+        batched = self.sessions is not None
+        lines.append("  step " + ("sess " if batched else "") + "kind     start width spec  method  max|err|    tol       storage  grew")
         for s in self.steps:
             mark = "ok  " if s.ok else "FAIL"
             grew = str(s.grew_to) if s.grew_to else ""
+            sess = f"{s.session:<4d} " if batched and s.session is not None else ""
             lines.append(
-                f"  {mark} {s.index:<3d} {s.kind:<7s} {s.start:5d} {s.width:5d} {s.width_from_spec:4d}  "
+                f"  {mark} {s.index:<3d} {sess}{s.kind:<7s} {s.start:5d} {s.width:5d} {s.width_from_spec:4d}  "
                 f"{s.method:<6s} {s.max_abs_err:9.2e} {s.tolerance:9.2e} {s.storage_max_err:9.2e}  {grew}"
             )
             lines += [f"       - {p}" for p in s.problems]
-        return "\n".join(lines)
+        # the artifact's path, the model and problems quoting the specs are untrusted text: no line
+        # shows a control character (a CR and a forged "PASSED" line, a terminal title, ...)
+        return "\n".join(safe_text(line) for line in lines)
 
 
 def default_schedule(
@@ -147,7 +168,6 @@ def _compare_rows(
     """Storage rows changed by the step are exactly the rows of its positions, and hold the
     oracle's K/V for those of them the oracle still holds; appends what differs to
     ``step.problems``."""
-    atol, rtol = tolerance
     positions = list(range(step.start, step.start + step.width))
     for storage, old, new in zip(manifest.storage_inputs(), before, after):
         layer, which = manifest.owner(storage)
@@ -172,12 +192,19 @@ def _compare_rows(
             continue
         want = (held[1] if which == "k" else held[2])[:, :, [index[p] for p in common]].float()
         got = new[:, :, [storage_row(p, rows) for p in common]].float().to(want.device)
-        err, scale, nonfinite = _difference(got, want)
-        step.storage_max_err = max(step.storage_max_err, err)
-        if nonfinite:
-            step.problems.append(f"{storage.name}: stored rows {nonfinite}")
-        elif not err <= atol + rtol * scale:
-            step.problems.append(f"{storage.name}: stored rows differ from the oracle's K/V by {err:.3e}")
+        _compare_stored(step, storage.name, got, want, tolerance)
+
+
+def _compare_stored(step: StepReport, name: str, got: torch.Tensor, want: torch.Tensor, tolerance: tuple[float, float]) -> None:
+    """Stored rows ``got`` against the oracle's ``want`` (the output rule, the storage dtype's
+    tolerance)."""
+    atol, rtol = tolerance
+    err, scale, nonfinite = _difference(got, want)
+    step.storage_max_err = max(step.storage_max_err, err)
+    if nonfinite:
+        step.problems.append(f"{name}: stored rows {nonfinite}")
+    elif not err <= atol + rtol * scale:
+        step.problems.append(f"{name}: stored rows differ from the oracle's K/V by {err:.3e}")
 
 
 def _difference(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float, str]:
@@ -274,7 +301,7 @@ def _replay(session: Session, bundle: ModelBundle, report: CheckReport) -> None:
             try:
                 outputs = session.run(prepared)
             except Exception as exc:  # the compiled program failed: report, stop the replay
-                step.problems.append(f"compiled step raised: {str(exc).splitlines()[0]}")
+                step.problems.append(f"compiled step raised: {first_line(exc)}")
                 return
             session.commit(prepared)
             expected = oracle.step(inputs)
@@ -316,7 +343,7 @@ def _conclude(report: CheckReport, session: Session) -> None:
 
 
 def check_artifact(
-    artifact: Artifact | str | Path,
+    artifact: LoadedProgram | str | Path,
     bundle: ModelBundle | str,
     schedule: Sequence[int] | None = None,
     decode_steps: int = 16,
@@ -332,6 +359,9 @@ def check_artifact(
     if isinstance(artifact, (str, Path)):
         artifact = load_artifact(artifact, single_threaded=cuda_graphs)
     manifest = artifact.specs.manifest
+    for name, value in (("decode_steps", decode_steps), ("prefill_chunks", prefill_chunks)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CHECK_STEPS:
+            raise OffgraphError(f"{name}={value!r} must be an int in [1, {MAX_CHECK_STEPS}] (each step runs the model)")
     if manifest.has_flat and prefill_chunks > manifest.max_capacity:
         raise OffgraphError(
             f"prefill_chunks={prefill_chunks} cannot fit: the artifact holds at most "
@@ -343,7 +373,7 @@ def check_artifact(
         artifact=str(artifact.path), model=model_name or artifact.specs.model,
         device=str(artifact.device), seed=seed, schedule=sched,
     )
-    session = artifact.new_session(poison=True, cuda_graphs=cuda_graphs)
+    session = Session(artifact, poison=True, cuda_graphs=cuda_graphs)
     try:
         _replay(session, bundle, report)
         _conclude(report, session)
@@ -374,9 +404,223 @@ def _span(rows: list[int]) -> str:
     return str(rows)
 
 
-def assert_artifact_matches(artifact: Artifact | str | Path, bundle: ModelBundle | str, **kwargs) -> CheckReport:
+def assert_artifact_matches(artifact: LoadedProgram | str | Path, bundle: ModelBundle | str, **kwargs) -> CheckReport:
     """Run :func:`check_artifact`; raise :class:`CheckFailed` (an AssertionError) with the report."""
     report = check_artifact(artifact, bundle, **kwargs)
     if not report.passed:
         raise CheckFailed(report.render(), report)
     return report
+
+
+# -- many sessions, one step (design section 10) -----------------------------------------------
+
+
+def _batched_plan(
+    rng: random.Random, manifest: CacheManifest, active: dict[int, int], prefilling: set[int]
+) -> dict[int, int]:
+    """Tokens per active session for one step: decode tokens first, then prefill chunks of a few
+    tokens, within the step budget (``max_write``) and each session's capacity."""
+    budget = manifest.max_write
+    plan: dict[int, int] = {}
+    order = sorted(active, key=lambda sid: sid in prefilling)  # decode first
+    for sid in order:
+        room = manifest.max_capacity - active[sid] if manifest.has_flat else budget
+        want = rng.randint(2, 9) if sid in prefilling else 1
+        n = min(want, budget, room)
+        if n >= 1:
+            plan[sid] = n
+            budget -= n
+    return plan
+
+
+def check_batched(
+    artifact: LoadedProgram | str | Path,
+    bundle: ModelBundle | str,
+    sessions: int = 8,
+    steps: int | None = None,
+    seed: int = 0,
+    cuda_graphs: bool = False,
+    pool_pages: int | None = None,
+) -> CheckReport:
+    """Run ``sessions`` sessions through a batched artifact's :class:`BatchedRunner` with seeded
+    random joins and leaves, each step packing decode tokens and prefill chunks of several
+    sessions, and check every session's every step against its own eager oracle: its outputs,
+    the pool rows the step wrote (exactly its tokens' rows, read through its pages; for a ring its
+    slot's rows) and their values. ``steps`` (default: enough for early sessions to wrap every
+    ring and cross several pages). Never raises for a mismatch (see the report)."""
+    from offgraph_export.runtime.batched import BatchedRunner
+
+    if isinstance(bundle, str):
+        bundle = load_bundle(bundle)
+    if isinstance(artifact, (str, Path)):
+        artifact = load_artifact(artifact, single_threaded=cuda_graphs)
+    manifest = artifact.specs.manifest
+    paging = manifest.paging
+    if paging is None:
+        raise OffgraphError(f"{artifact.path} serves one session per program: check it without --sessions, or export with --max-sessions")
+    if isinstance(sessions, bool) or not isinstance(sessions, int) or not 1 <= sessions <= 4096:
+        raise OffgraphError(f"sessions={sessions!r} must be an int in [1, 4096]")
+    if steps is None:  # time for every session to join, and each wave to wrap its rings before leaving
+        rings = [ring_rows(l.window, manifest.max_write) for l in manifest.layers if l.window is not None]
+        wave = max(48, 4 * paging.page_size, *(r + 12 for r in rings))
+        if manifest.has_flat:
+            wave = min(wave, manifest.max_capacity)
+        steps = wave * -(-sessions // paging.max_sessions) + 8
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_CHECK_STEPS:
+        raise OffgraphError(f"steps={steps!r} must be an int in [1, {MAX_CHECK_STEPS}]")
+    runner = BatchedRunner(artifact, pool_pages=pool_pages, poison=True, cuda_graphs=cuda_graphs)
+    report = CheckReport(artifact=str(artifact.path), model=artifact.specs.model, device=str(artifact.device),
+                         seed=seed, schedule=[], sessions=0)
+    try:
+        _replay_batched(runner, bundle, report, sessions, steps)
+    finally:
+        for sid in runner.sessions:
+            runner.close(sid)
+    metrics = runner.metrics()
+    if cuda_graphs:
+        report.notes.append(f"CUDA graphs: {metrics.graph_captures} captures, {metrics.graph_replays} replays")
+    report.passed = not report.problems and all(s.ok for s in report.steps) and bool(report.schedule)
+    return report
+
+
+def _replay_batched(runner, bundle: ModelBundle, report: CheckReport, sessions: int, steps: int) -> None:
+    manifest = runner.manifest
+    paging = runner.paging
+    device = runner.device
+    model = bundle.model.to(device)
+    out_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    out_tol = _tolerance(out_dtype)
+    storage_tol = _tolerance(getattr(torch, manifest.storage_dtype))
+    rng = random.Random(report.seed)
+    gen = torch.Generator().manual_seed(report.seed)
+    oracles: dict[int, Oracle] = {}
+    tokens: dict[int, torch.Tensor] = {}
+    number: dict[int, int] = {}  # runner id -> join number
+    prefilling: set[int] = set()
+    joined = 0
+    longest = manifest.max_capacity if manifest.has_flat else 4 * max(
+        ring_rows(l.window, manifest.max_write) for l in manifest.layers if l.window is not None)
+    wrapped: set[int] = set()
+    # a session may leave once it has crossed pages and wrapped every ring
+    rings = [ring_rows(l.window, manifest.max_write) for l in manifest.layers if l.window is not None]
+    mature = max(3 * paging.page_size, *(r + 1 for r in rings))
+    with torch.no_grad():
+        for index in range(steps):
+            # joins (more early on) and leaves (a session with some history, now and then)
+            free = paging.max_sessions - len(runner.sessions)
+            if joined < sessions and free and (not runner.sessions or rng.random() < 0.5):
+                sid = runner.open()
+                number[sid] = joined
+                joined += 1
+                oracles[sid] = bundle.oracle(manifest)
+                tokens[sid] = torch.randint(0, bundle.vocab_size, (1, longest), generator=gen)
+                prefilling.add(sid)
+            odds = 0.25 if joined < sessions else 0.05  # leave sooner while sessions wait for a slot
+            full = manifest.max_capacity if manifest.has_flat else None
+            leaving = [sid for sid in runner.sessions
+                       if runner.length(sid) == full or (runner.length(sid) > mature and rng.random() < odds)]
+            for sid in leaving:
+                runner.close(sid)
+            if not runner.sessions:
+                report.notes.append(f"every session had joined and left after {index} steps")
+                break
+            active = {sid: runner.length(sid) for sid in runner.sessions}
+            plan = _batched_plan(rng, manifest, active, prefilling)
+            feeds = {sid: tokens[sid][0, active[sid] : active[sid] + n].tolist() for sid, n in plan.items()}
+            report.schedule.append(sum(plan.values()))
+            before = [t.clone() for t in runner.storage]
+            pages_before = {sid: len(runner.pages(sid)) for sid in plan}
+            try:
+                outputs = runner.step(feeds)
+            except Exception as exc:  # refused or failed: report, stop the replay
+                report.problems.append(f"step {index} ({len(plan)} sessions, {sum(plan.values())} tokens) raised: {first_line(exc)}")
+                break
+            after = runner.storage
+            expected_rows = _batched_rows(runner, plan, active)
+            for sid, n in plan.items():
+                start = active[sid]
+                step = StepReport(index=index, kind="prefill" if sid in prefilling else "decode", start=start, width=n,
+                                  width_from_spec=n, method=runner.program.method_for(sum(plan.values())),
+                                  session=number[sid], step_tokens=sum(plan.values()))
+                report.steps.append(step)
+                inputs = bundle.make_inputs(tokens[sid][:, start : start + n].to(device), start)
+                expected = oracles[sid].step(inputs)
+                _compare_outputs(step, outputs[sid][0], expected[0], out_tol)
+                _compare_paged_rows(step, runner, sid, list(range(start, start + n)), before, after, oracles[sid], storage_tol)
+                if len(runner.pages(sid)) > pages_before[sid] and pages_before[sid]:
+                    report.page_crossings += 1
+                for layer in manifest.layers:
+                    if layer.window is not None and start + n > ring_rows(layer.window, manifest.max_write):
+                        wrapped.add(layer.layer_id)
+            prefilling -= {sid for sid in plan if rng.random() < 0.5}
+            _compare_unwritten(report, index, runner, before, after, expected_rows)
+    report.sessions = joined
+    for layer in manifest.layers:
+        if layer.window is not None:
+            report.ring_wraps[str(layer.layer_id)] = layer.layer_id in wrapped
+    if manifest.has_flat and report.page_crossings < 2:
+        report.notes.append(f"sessions crossed {report.page_crossings} page boundaries (wanted >= 2)")
+    if joined < sessions:
+        report.notes.append(f"{joined} of {sessions} sessions joined within {steps} steps")
+
+
+def _pool_rows(tensor: torch.Tensor, flat: bool) -> torch.Tensor:
+    """A pool as ``[pages * page_size, Hkv, D]``; rings as ``[slots * rows, Hkv, D]``."""
+    if flat:
+        return tensor.reshape(-1, tensor.shape[2], tensor.shape[3])
+    return tensor.transpose(1, 2).reshape(-1, tensor.shape[1], tensor.shape[3])
+
+
+def _row_of(runner, sid: int, position: int, layer, rows: int) -> int:
+    """Where ``position`` of session ``sid`` lives in :func:`_pool_rows`'s view of a layer."""
+    if layer.window is None:
+        return paged_row(runner.pages(sid), position, runner.paging.page_size)
+    return runner.slot(sid) * rows + storage_row(position, rows)
+
+
+def _batched_rows(runner, plan: dict[int, int], active: dict[int, int]) -> dict[int, set[int]]:
+    """Per storage input, the rows the step's real tokens write."""
+    manifest = runner.manifest
+    out: dict[int, set[int]] = {}
+    for i, storage in enumerate(manifest.storage_inputs()):
+        layer, _ = manifest.owner(storage)
+        rows = manifest.rows(layer, manifest.max_capacity)
+        out[i] = {_row_of(runner, sid, p, layer, rows) for sid, n in plan.items() for p in range(active[sid], active[sid] + n)}
+    return out
+
+
+def _compare_unwritten(report: CheckReport, index: int, runner, before, after, expected: dict[int, set[int]]) -> None:
+    """Outside the step's rows only the scratch page (slot) may change: padding tokens write there."""
+    manifest = runner.manifest
+    for i, storage in enumerate(manifest.storage_inputs()):
+        layer, _ = manifest.owner(storage)
+        flat = layer.window is None
+        old, new = _pool_rows(before[i], flat), _pool_rows(after[i], flat)
+        scratch = runner.paging.page_size if flat else manifest.rows(layer, manifest.max_capacity)
+        same = (old == new) | (torch.isnan(old) & torch.isnan(new))
+        changed = set((~same).flatten(1).any(dim=1).nonzero().flatten().tolist())
+        stray = sorted(r for r in changed - expected[i] if r >= scratch)
+        missing = sorted(expected[i] - changed)
+        if stray:
+            report.problems.append(f"step {index}: {storage.name}: rows {_span(stray[:8])} changed that no token of the step owns")
+        if missing:
+            report.problems.append(f"step {index}: {storage.name}: rows {_span(missing[:8])} of the step's tokens were not written")
+
+
+def _compare_paged_rows(step: StepReport, runner, sid: int, positions: list[int], before, after, oracle: Oracle,
+                        tolerance: tuple[float, float]) -> None:
+    """The rows of this session's tokens hold the oracle's K/V (those the oracle still holds)."""
+    manifest = runner.manifest
+    for i, storage in enumerate(manifest.storage_inputs()):
+        layer, which = manifest.owner(storage)
+        rows = manifest.rows(layer, manifest.max_capacity)
+        view = _pool_rows(after[i], layer.window is None)
+        held = oracle.held(layer.layer_id)
+        index = {p: j for j, p in enumerate(held[0])} if held else {}
+        common = [p for p in positions if p in index]
+        if not common:
+            step.problems.append(f"{storage.name}: the oracle holds none of positions {_span(positions)}")
+            continue
+        want = (held[1] if which == "k" else held[2])[0][:, [index[p] for p in common]].transpose(0, 1).float()
+        got = view[[_row_of(runner, sid, p, layer, rows) for p in common]].float().to(want.device)
+        _compare_stored(step, storage.name, got, want, tolerance)

@@ -12,7 +12,17 @@ __all__ = [
     "StepRefused",
     "StepFailed",
     "CheckFailed",
+    "first_line",
 ]
+
+
+def first_line(exc: BaseException) -> str:
+    """The first non-empty line of ``exc``'s message, or its type's name when it has none (for
+    one-line reports of an error raised by code we called)."""
+    for line in str(exc).splitlines():
+        if line.strip():
+            return line.strip()
+    return type(exc).__name__
 
 
 class OffgraphError(Exception):

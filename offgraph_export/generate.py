@@ -1,4 +1,5 @@
-"""Greedy generation over a runtime session: chunked prefill, then one token per step."""
+"""Generation over the runtime: one session (chunked prefill, then one token per step, greedy) or
+many through a batched runner (continuous batching, greedy or sampled per session)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from offgraph_export.errors import OffgraphError
 from offgraph_export.runtime.session import Session
 
-__all__ = ["GenerationResult", "generate"]
+__all__ = ["GenerationResult", "Sampling", "generate", "generate_batch"]
 
 
 @dataclass
@@ -51,8 +52,7 @@ def generate(
     ids = torch.tensor([list(prompt)] * batch, dtype=torch.int64, device=device)
     logits = None
     for start in range(0, ids.shape[1], manifest.max_write):
-        chunk = ids[:, start : start + manifest.max_write]
-        logits = session.step(*make_inputs(chunk, session.committed_length))[0]
+        logits = session.feed(make_inputs, ids[:, start : start + manifest.max_write])[0]
     result = GenerationResult(new_tokens=[])
     for _ in range(max_new_tokens):
         assert logits is not None
@@ -64,8 +64,113 @@ def generate(
         if len(result.new_tokens) == max_new_tokens:
             break
         t0 = time.perf_counter()
-        logits = session.step(*make_inputs(next_id.view(batch, 1), session.committed_length))[0]
+        logits = session.feed(make_inputs, next_id.view(batch, 1))[0]
         if device.type == "cuda":
             torch.cuda.synchronize()
         result.step_ms.append((time.perf_counter() - t0) * 1e3)
     return result
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a session picks its next token: greedy at ``temperature`` 0, else sampled from the
+    softmax at that temperature over the ``top_k`` most likely tokens (0: all), seeded."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0 and self.temperature < float("inf")):
+            raise OffgraphError(f"temperature={self.temperature!r} must be a finite number >= 0")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise OffgraphError(f"top_k={self.top_k!r} must be an int >= 0")
+
+    def picker(self) -> Callable[[torch.Tensor], int]:
+        """A function from one row of logits to a token id (its own generator: per session)."""
+        if self.temperature == 0:
+            return lambda row: int(row.argmax())
+        gen = torch.Generator().manual_seed(self.seed)
+
+        def pick(row: torch.Tensor) -> int:
+            logits = row.float().cpu() / self.temperature
+            if self.top_k:
+                kth = torch.topk(logits, min(self.top_k, logits.numel())).values[-1]
+                logits = torch.where(logits < kth, float("-inf"), logits)
+            return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+
+        return pick
+
+
+def generate_batch(
+    runner: "BatchedRunner",  # noqa: F821
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    sampling: Sequence[Sampling] | None = None,
+    on_step: Callable[[int], None] | None = None,
+) -> list[GenerationResult]:
+    """Generate for every prompt together through a batched runner (continuous batching): a
+    session joins when a slot is free, every step packs each running session's decode token first
+    and then prefill chunks of the waiting prompts up to the step's token budget (``max_write``),
+    and a session leaves (its slot and pages freed) when it has its ``max_new_tokens``. Returns
+    one result per prompt, in order; ``step_ms`` holds the times of the steps each took part in
+    after its prefill."""
+    if not prompts or any(not p for p in prompts):
+        raise OffgraphError("every prompt needs at least one token")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise OffgraphError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
+    manifest = runner.manifest
+    for i, prompt in enumerate(prompts):
+        need = len(prompt) + max_new_tokens - 1
+        if manifest.has_flat and need > manifest.max_capacity:
+            raise OffgraphError(
+                f"prompt {i}: {len(prompt)} prompt tokens and {max_new_tokens} new ones need {need} tokens of cache; "
+                f"the artifact holds at most {manifest.max_capacity}"
+            )
+    pickers = [(s or Sampling()).picker() for s in (sampling or [None] * len(prompts))]  # type: ignore[union-attr]
+    results = [GenerationResult(new_tokens=[]) for _ in prompts]
+    waiting = list(range(len(prompts)))
+    running: dict[int, int] = {}  # runner session -> prompt
+    fed: dict[int, int] = {}  # prompt -> prompt tokens fed
+    pending: dict[int, int] = {}  # prompt -> its next token (decoding)
+    steps = 0
+    while waiting or running:
+        while waiting and len(running) < runner.paging.max_sessions:
+            i = waiting.pop(0)
+            running[runner.open()] = i
+            fed[i] = 0
+        budget = manifest.max_write
+        feeds: dict[int, list[int]] = {}
+        for sid, i in running.items():  # decode tokens first
+            if i in pending and budget:
+                feeds[sid] = [pending[i]]
+                budget -= 1
+        for sid, i in running.items():  # then prefill chunks
+            if i not in pending and budget:
+                chunk = list(prompts[i][fed[i] : fed[i] + budget])
+                feeds[sid] = chunk
+                budget -= len(chunk)
+        t0 = time.perf_counter()
+        outputs = runner.step(feeds)
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize()
+        ms = (time.perf_counter() - t0) * 1e3
+        steps += 1
+        for sid, tokens in feeds.items():
+            i = running[sid]
+            if i in pending:
+                results[i].step_ms.append(ms)
+            else:
+                fed[i] += len(tokens)
+                if fed[i] < len(prompts[i]):
+                    continue  # more prompt to feed
+            token = pickers[i](outputs[sid][0][0, -1])
+            results[i].new_tokens.append(token)
+            pending[i] = token
+            if len(results[i].new_tokens) == max_new_tokens:
+                runner.close(sid)
+                del running[sid]
+                pending.pop(i)
+        if on_step:
+            on_step(steps)
+    return results

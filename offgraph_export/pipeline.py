@@ -21,9 +21,10 @@ from torch.export import ExportedProgram
 
 from offgraph_export.compat import dynamic_dim
 from offgraph_export.errors import ExportError
-from offgraph_export.lowering.aoti import AUTOTUNE_CHOICES, compile_package
-from offgraph_export.lowering.step_impls import StepImpl, default_step_impl, step_impl_name
+from offgraph_export.lowering.aoti import compile_package
+from offgraph_export.kernels.step_impls import StepImpl, step_impl_name
 from offgraph_export.models import ModelBundle
+from offgraph_export.options import ExportOptions, OptionError, lowering_record, pass_record
 from offgraph_export.passes.bound_table_indices import bound_table_indices
 from offgraph_export.passes.build_manifest import build_manifest
 from offgraph_export.passes.decode_gemv import decode_gemv as decode_gemv_pass
@@ -44,15 +45,11 @@ from offgraph_export.specs.manifest import CacheManifest
 from offgraph_export.specs.step_width import StepWidthSpec
 
 __all__ = [
-    "LoweredProgram",
+    "StrippedProgram",
     "export_model",
     "run_passes",
     "lower",
     "export_and_lower",
-    "default_decode_method",
-    "default_max_autotune",
-    "default_decode_gemv",
-    "default_decode_rope",
 ]
 
 Progress = Callable[[str], None]
@@ -63,9 +60,9 @@ def _noop(_: str) -> None:
 
 
 @dataclass
-class LoweredProgram:
-    """The passes' result: the program over storage inputs plus its two compile specs, and each
-    pass's :class:`PassResult` by name, in the order they ran. ``decode``: the same program with
+class StrippedProgram:
+    """The passes' result, not yet lowered: the program over storage inputs plus its two compile
+    specs, and each pass's :class:`PassResult` by name, in the order they ran. ``decode``: the same program with
     the width fixed at 1 (the decode method), when asked for."""
 
     exported: ExportedProgram
@@ -138,7 +135,7 @@ def run_passes(
     decode_method: bool = False,
     decode_gemv: bool = False,
     decode_rope: bool = False,
-) -> LoweredProgram:
+) -> StrippedProgram:
     """validate -> record step width -> record positions -> bound table indices -> fuse
     projections (``fuse``) -> build manifest -> strip -> functionalize [and, from the stripped
     program, specialize width -> GEMV projections (``decode_gemv``) -> rotary embedding into the
@@ -181,7 +178,7 @@ def run_passes(
             decode_program = results["decode_rope"].program
         results["functionalize_decode"] = functionalize(decode_program)
         decode = results["functionalize_decode"].program
-    return LoweredProgram(
+    return StrippedProgram(
         exported=ep,
         stripped=program,
         step_width=results["record_step_width"].produced,
@@ -189,86 +186,39 @@ def run_passes(
         step_impl=step_impl_name(step_impl),
         positions_input=results["record_positions"].produced,
         index_bounds=results["bound_table_indices"].produced,
-        options={
-            "fuse_projections": fuse,
-            **({"decode_gemv": decode_gemv, "decode_rope": decode_rope} if decode_method else {}),
-        },
+        options=pass_record(fuse, decode_method, decode_gemv, decode_rope),
         pass_results=results,
         decode=decode,
     )
 
 
-FORMATS = ("pt2", "executorch")
-
-
-def default_decode_method(device: str) -> bool:
-    """A decode method by default on cuda (where a specialized one-token step pays for its
-    compile); on cpu the general step serves decode."""
-    return device.startswith("cuda")
-
-
-def default_max_autotune(device: str) -> str:
-    """``decode`` on cuda (tune the one-token GEMMs, which default kernels run far below memory
-    bandwidth), ``none`` on cpu."""
-    return "decode" if device.startswith("cuda") else "none"
-
-
-def default_decode_gemv(device: str, decode_method: bool) -> bool:
-    """GEMV projections with their folds in the decode method: on wherever they can run, a cuda
-    decode method (measured faster than the compiler's GEMMs there, ``benchmarks/README.md``)."""
-    return decode_method and device.startswith("cuda")
-
-
-def default_decode_rope(device: str, decode_method: bool, step_impl: str) -> bool:
-    """The rotary fold: on wherever it can run, the triton step's one-token kernel of a cuda decode
-    method (the pass leaves a model whose rotary form it does not recognize unchanged)."""
-    return default_decode_gemv(device, decode_method) and step_impl == "triton"
-
-
 def lower(
-    program: LoweredProgram, path: str | Path, device: str, format: str = "pt2",
-    executorch_backend: str = "xnnpack", max_autotune: str = "none",
+    program: StrippedProgram, path: str | Path, device: str = "cpu", format: str = "pt2",
+    executorch_backend: str | None = None, max_autotune: str = "none",
     progress: Progress = _noop, **model_info,
 ) -> Path:
     """``format``: ``pt2`` (AOTInductor package with a method per program) or ``executorch``
-    (``.pte`` lowered with ``executorch_backend``: on cpu ``xnnpack`` where it applies, or
-    ``portable``; on cuda ``cuda``, the program exported on cpu). ``max_autotune``: one of ``AUTOTUNE_CHOICES`` (pt2), recorded in the specs.
-    ``model_info``: ``model``, ``model_args``, ``model_dtype`` recorded for check/run. For the
-    executorch ``cuda`` backend ``program.stripped`` is first rewritten in place by
-    ``split_to_slices`` (same values; a second lowering finds nothing left to rewrite)."""
-    _check_options(format, executorch_backend, program.decode is not None, max_autotune, program.manifest.max_write)
+    (``.pte`` lowered with ``executorch_backend``, by default ``xnnpack`` on cpu and ``cuda`` on
+    cuda, the program exported on cpu). ``max_autotune``: one of ``AUTOTUNE_CHOICES`` (pt2),
+    recorded in the specs. The options are checked by :meth:`ExportOptions.resolve` against the
+    program (its decode method, its ``max_write``). ``model_info``: ``model``, ``model_args``,
+    ``model_dtype`` recorded for check/run. For the executorch ``cuda`` backend
+    ``program.stripped`` is first rewritten in place by ``split_to_slices`` (same values; a second
+    lowering finds nothing left to rewrite)."""
+    options = ExportOptions.parse(
+        format=format, device=device, executorch_backend=None if format == "pt2" else executorch_backend,
+        decode_method=program.decode is not None, max_autotune=max_autotune,
+    ).resolve(program.manifest.max_write)
     if format == "pt2":
-        specs = program.artifact_specs(device, options={"max_autotune": max_autotune}, **model_info)
+        specs = program.artifact_specs(device, options=lowering_record(format, options.max_autotune), **model_info)
         return compile_package(program.programs, path, specs, progress)
     from offgraph_export.lowering.executorch import compile_pte
 
     specs = program.artifact_specs(device, **model_info)
-    if executorch_backend == "cuda":
+    if options.executorch_backend == "cuda":
         # ExecuTorch's CUDA backend compiles slices but has no split_copy kernel
         program.pass_results["split_to_slices"] = split_to_slices(program.stripped)
-    return compile_pte(program.stripped, path, specs, backend=executorch_backend)
-
-
-def _check_options(format: str, backend: str | None, decode_method: bool, max_autotune: str, max_write: int) -> None:
-    """The lowering options that go together, for :func:`lower` and, before anything is traced,
-    :func:`export_and_lower`."""
-    from offgraph_export.lowering.executorch import BACKENDS
-
-    if format not in FORMATS:
-        raise ExportError(f"unknown format {format!r}; expected one of {FORMATS}")
-    if format != "pt2" and backend not in BACKENDS:
-        raise ExportError(f"unknown executorch backend {backend!r}; expected one of {BACKENDS}")
-    if max_autotune not in AUTOTUNE_CHOICES:
-        raise ExportError(f"unknown max_autotune {max_autotune!r}; expected one of {AUTOTUNE_CHOICES}")
-    if format == "pt2" and max_autotune == "decode" and not decode_method:
-        raise ExportError("max_autotune='decode' tunes the decode method, which this program leaves out; use 'all' or 'none'")
-    if format != "pt2" and (decode_method or max_autotune != "none"):
-        raise ExportError(
-            "the decode method and max-autotune are AOTInductor options; export for the "
-            "executorch format without them"
-        )
-    if max_write < 2:  # the width must be a symbol: a range [1, 1] is a constant to torch.export
-        raise ExportError(f"max_write {max_write} is too small: a step's token width must range over at least [1, 2]")
+    return compile_pte(program.stripped, path, specs, backend=options.executorch_backend)
 
 
 def _fit_width(
@@ -285,69 +235,44 @@ def _fit_width(
 def export_and_lower(
     bundle: ModelBundle,
     path: str | Path,
-    device: str = "cpu",
-    step_impl: str | None = None,
+    options: ExportOptions | None = None,
     progress: Progress = _noop,
-    fuse: bool = True,
-    format: str = "pt2",
-    executorch_backend: str | None = None,
-    decode_method: bool | None = None,
-    max_autotune: str | None = None,
-    decode_gemv: bool | None = None,
-    decode_rope: bool | None = None,
-    **model_info,
-) -> tuple[Path, LoweredProgram, dict[str, float]]:
+    *,
+    model: str = "",
+    model_args: dict | None = None,
+    model_dtype: str | None = None,
+    **option_fields: Any,
+) -> tuple[Path, StrippedProgram, dict[str, float]]:
     """Export, run the passes and lower ``bundle`` to ``path``; returns timings in seconds. The
-    model is exported for inference: its parameters stop requiring grad. ``decode_method`` and
-    ``max_autotune`` default per device (pt2 only): :func:`default_decode_method`,
-    :func:`default_max_autotune`. For the executorch format the program is always exported on the
-    cpu (the cuda backend moves it to the device); ``executorch_backend`` defaults to ``xnnpack``
-    on cpu and ``cuda`` on cuda; ``decode_gemv`` and ``decode_rope`` per target device and decode
-    method (:func:`default_decode_gemv`, :func:`default_decode_rope`)."""
-    pt2 = format == "pt2"
-    target_device = device
-    if pt2 and executorch_backend is not None:
-        raise ExportError(f"executorch_backend {executorch_backend!r} applies to the executorch format, not pt2")
-    if not pt2:
-        device = "cpu"
-        if executorch_backend is None:
-            executorch_backend = "cuda" if target_device.startswith("cuda") else "xnnpack"
-    impl = step_impl or default_step_impl(device)
-    if decode_method is None:
-        decode_method = pt2 and default_decode_method(device)
-    if max_autotune is None:
-        max_autotune = default_max_autotune(device) if pt2 and decode_method else "none"
-    if decode_gemv is None:
-        decode_gemv = pt2 and default_decode_gemv(target_device, decode_method)
-    if decode_rope is None:
-        decode_rope = pt2 and default_decode_rope(target_device, decode_method, impl)
-    _check_options(format, executorch_backend or "xnnpack", decode_method, max_autotune, bundle.cache_config.max_write)
-    if decode_gemv and not (pt2 and default_decode_gemv(target_device, decode_method)):
-        raise ExportError("the GEMV projections are a cuda kernel for the pt2 decode method; export for cuda with decode_method=True")
-    if decode_rope and not (pt2 and default_decode_rope(target_device, decode_method, impl)):
-        raise ExportError(
-            "the rotary fold is part of the triton step's one-token kernel: export for cuda with "
-            "decode_method=True and the triton step"
-        )
-    model = bundle.model.to(device).requires_grad_(False)
+    model is exported for inference: its parameters stop requiring grad. ``options`` (or, for
+    short, its fields as keywords: ``device="cuda"``) are resolved by
+    :meth:`ExportOptions.resolve` (per-device defaults, every compatibility rule) before anything
+    is traced. ``model``, ``model_args``, ``model_dtype``: recorded in the specs for check/run."""
+    if options is not None and option_fields:
+        raise OptionError(f"give export options either as options= or as keywords, not both ({sorted(option_fields)})", "--help")
+    wanted = options if options is not None else ExportOptions.parse(**option_fields)
+    resolved = wanted.resolve(bundle.cache_config.max_write)
+    device = resolved.export_device
+    model_info = {"model": model, "model_args": model_args or {}, "model_dtype": model_dtype}
+    module = bundle.model.to(device).requires_grad_(False)
     inputs = _fit_width(bundle.example_inputs, bundle.token_dims, bundle.cache_config.max_write, device)
     timings: dict[str, float] = {}
     progress("exporting")
     t0 = time.perf_counter()
-    ep = export_model(model, inputs, bundle.token_dims, bundle.cache_config.max_write)
+    ep = export_model(module, inputs, bundle.token_dims, bundle.cache_config.max_write)
     timings["export_s"] = time.perf_counter() - t0
-    progress(f"running passes (step impl: {impl})")
+    progress(f"running passes (step impl: {resolved.step_impl})")
     t0 = time.perf_counter()
     program = run_passes(
-        ep, inputs, bundle.cache_config, impl, fuse=fuse, decode_method=decode_method, decode_gemv=decode_gemv,
-        decode_rope=decode_rope,
+        ep, inputs, bundle.cache_config, resolved.step_impl, fuse=resolved.fuse_projections,
+        decode_method=resolved.decode_method, decode_gemv=resolved.decode_gemv, decode_rope=resolved.decode_rope,
     )
     timings["passes_s"] = time.perf_counter() - t0
-    progress(f"compiling ({format}) for {target_device} (tens of seconds per method)")
+    progress(f"compiling ({resolved.format}) for {resolved.device} (tens of seconds per method)")
     t0 = time.perf_counter()
     out = lower(
-        program, path, target_device, format=format, executorch_backend=executorch_backend or "xnnpack",
-        max_autotune=max_autotune, progress=progress, **model_info,
+        program, path, resolved.device, format=resolved.format, executorch_backend=resolved.executorch_backend,
+        max_autotune=resolved.max_autotune, progress=progress, **model_info,
     )
     timings["compile_s"] = time.perf_counter() - t0
     return out, program, timings

@@ -18,8 +18,8 @@ import statistics
 
 import torch
 
-from offgraph_export.lowering.portable import portable_update_and_attend
-from offgraph_export.lowering.triton_attend import triton_update_and_attend
+from offgraph_export.kernels.portable import portable_update_and_attend
+from offgraph_export.kernels.triton_attend import triton_update_and_attend
 
 
 def time_ms(fn, iters: int) -> float:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, ".")
 
-from offgraph_export.lowering.triton_gemv import gemv_launch  # noqa: E402
+from offgraph_export.kernels.triton_gemv import gemv_launch  # noqa: E402
 
 
 def rms(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

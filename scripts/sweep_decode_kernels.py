@@ -4,14 +4,14 @@ Each measurement is 16 calls, one per layer of a Llama-3.2-1B-shaped model (bf16
 its own weights or its own K/V storage, captured in one CUDA graph and replayed: the median replay
 time over the 16 calls is one call's time, with the launch gaps and cold caches a real step has
 (16 layers of weights or K/V do not fit in L2). Kernels are called through the same host code the
-compiled step uses (``triton_gemv.gemv_launch``, ``triton_attend._decode_step``), with a launch
+compiled step uses (``triton_gemv.gemv_launch``, ``attend_decode.decode_step``), with a launch
 ``config`` overriding the built-in choice.
 
-* GEMV (``lowering/triton_gemv.py``): the four projections with their folds, both kernels (one
+* GEMV (``kernels/triton_gemv.py``): the four projections with their folds, both kernels (one
   program per row block over ``BLOCK_N, BLOCK_K, num_warps``; persistent row tiles over
   ``BLOCK_N, per_sm, num_warps, num_stages``); beside cuBLAS's ``F.linear`` of the same weights
   (no folds).
-* One-token attention (``lowering/triton_attend.py``, rotary fold on): over ``num_warps``,
+* One-token attention (``kernels/attend_decode.py``, rotary fold on): over ``num_warps``,
   ``num_stages``, ``BLOCK_N`` at 1k and 16k history, then split count and minimum keys per split
   for the best few, at 1k, 8k and 16k.
 
@@ -30,8 +30,8 @@ import torch
 
 from bench_attention import time_ms  # scripts/, the script's own folder
 
-from offgraph_export.lowering import triton_attend as ta
-from offgraph_export.lowering import triton_gemv as tg
+from offgraph_export.kernels import attend_common, attend_decode
+from offgraph_export.kernels import triton_gemv as tg
 
 LAYERS = 16
 DT = torch.bfloat16
@@ -103,8 +103,7 @@ def sweep_attention(log) -> dict:
                torch.randn(1, HKV, ROWS, D, device="cuda", dtype=DT)) for _ in range(LAYERS)]
     angle = torch.rand(D, device="cuda")
     rope = (angle.cos().to(DT), angle.sin().to(DT))
-    common = dict(GROUP=HQ // HKV, HEAD_DIM=D, V_DIM=D, BLOCK_D=D, BLOCK_DV=D, BLOCK_N=64,
-                  HAS_WINDOW=False, QK_FP32=False, PV_FP32=False)
+    launch = attend_common.AttendLaunch.for_step(q, k, v, *stores[0], None, 0.125)
     positions = {h: torch.tensor([h], device="cuda", dtype=torch.int64) for h in (1024, 8192, 16384)}
 
     def timed(config, history):
@@ -113,12 +112,12 @@ def sweep_attention(log) -> dict:
 
         def run():
             for ks, vs in stores:
-                ta._decode_step(q, k, v, pos, ks, vs, None, 0.125, DT, out, common, rope, config)
+                attend_decode.decode_step(q, k, v, pos, ks, vs, out, launch, rope, config)
         us = graph_us(run)
         return {"us": us, "tb_s": history * HKV * D * 2 * 2 / us * 1e-6}
 
-    default = {"splits": ta._decode_splits(1, HKV, q.device), "min_split_keys": ta._DECODE_MIN_SPLIT_KEYS,
-               "BLOCK_N": 64}
+    default = {"splits": attend_decode._decode_splits(1, HKV, q.device),
+               "min_split_keys": attend_decode._DECODE_MIN_SPLIT_KEYS, "BLOCK_N": launch.block_n}
     result = {"default": {**default, **{h: timed({}, h) for h in positions}}, "stage1": [], "stage2": []}
     log(f"attention default {default}: " + ", ".join(f"{h}: {result['default'][h]['us']:.2f} us "
                                                       f"({result['default'][h]['tb_s']:.2f} TB/s)" for h in positions))
@@ -136,7 +135,7 @@ def sweep_attention(log) -> dict:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for row in result["stage1"][:3]:
         for per_sm, min_keys in itertools.product((1, 2, 4), (64, 128, 256)):
-            splits = min(ta._MAX_SPLITS, math.ceil(per_sm * sms / HKV))
+            splits = min(attend_common._MAX_SPLITS, math.ceil(per_sm * sms / HKV))
             config = {**row["config"], "splits": splits, "min_split_keys": min_keys}
             result["stage2"].append({"config": config, **{str(h): timed(config, h) for h in positions}})
     result["stage2"].sort(key=lambda r: r["16384"]["us"] + r["1024"]["us"])

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from offgraph_export.errors import ArtifactError, CheckFailed
-from offgraph_export.lowering.portable import portable_update_and_attend
+from offgraph_export.errors import ArtifactError, CheckFailed, OffgraphError
+from offgraph_export.kernels.portable import portable_update_and_attend
 from offgraph_export.frontends import load_bundle
 from offgraph_export.pipeline import export_model, lower, run_passes
 from offgraph_export.runtime import Artifact
@@ -323,3 +323,17 @@ def test_a_manifest_that_disagrees_with_the_eager_model_is_named(loaded_example,
     oracle = example_bundle.oracle(extra)  # caches for every manifest layer; the model writes 0 and 1
     oracle.step(example_bundle.make_inputs(torch.zeros(1, 3, dtype=torch.int64), 0))
     assert _check_manifest_model(oracle, extra) == ["manifest layer 99: the eager model never wrote this layer"]
+
+
+@pytest.mark.parametrize("kwargs", [dict(decode_steps=10**9), dict(prefill_chunks=10**9), dict(decode_steps=0)])
+def test_check_refuses_unbounded_step_counts_before_any_step(loaded_example, example_bundle, kwargs):
+    """A ring-only artifact bounds no schedule by its capacity: the counts themselves are bounded
+    (10**9 decode steps would build a schedule of 10**9 entries)."""
+    import time
+
+    from offgraph_export.check import MAX_CHECK_STEPS
+
+    started = time.perf_counter()
+    with pytest.raises(OffgraphError, match=f"must be an int in \\[1, {MAX_CHECK_STEPS}\\]"):
+        check_artifact(loaded_example, example_bundle, **kwargs)
+    assert time.perf_counter() - started < 5

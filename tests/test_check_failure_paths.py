@@ -113,15 +113,19 @@ def test_check_fails_when_stored_rows_hold_an_infinity(loaded_example, example_b
 # -- the compiled step raises ------------------------------------------------------------------
 
 
-class _Recording(Artifact):
-    """Keeps the sessions opened on it, so a test can look at them after the check."""
+def _recorded_sessions(monkeypatch) -> list:
+    """The sessions ``check`` opens from now on, so a test can look at them after the check."""
+    import offgraph_export.check as check_module
 
-    sessions: list
+    opened: list = []
 
-    def new_session(self, **kwargs):
-        session = super().new_session(**kwargs)
-        self.sessions.append(session)
-        return session
+    class Recording(check_module.Session):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            opened.append(self)
+
+    monkeypatch.setattr(check_module, "Session", Recording)
+    return opened
 
 
 GUARDED_VOCAB = 64
@@ -146,22 +150,22 @@ def _guarded_bundle(model, config, fail_at: int | None) -> ModelBundle:
 GUARDED_SCHEDULE = [6, 3, 1, 1]
 
 
-def test_guarded_check_passes_when_nothing_fails(guarded):
+def test_guarded_check_passes_when_nothing_fails(guarded, monkeypatch):
     """Control: the same bundle with no failing step passes, every step committed."""
     artifact, model, config = guarded
-    recording = _sharing(artifact, _Recording, sessions=[])
-    report = check_artifact(recording, _guarded_bundle(model, config, fail_at=None), schedule=GUARDED_SCHEDULE)
+    sessions = _recorded_sessions(monkeypatch)
+    report = check_artifact(artifact, _guarded_bundle(model, config, fail_at=None), schedule=GUARDED_SCHEDULE)
     assert report.passed, report.render()
-    (session,) = recording.sessions
+    (session,) = sessions
     assert session.committed_length == sum(GUARDED_SCHEDULE)
 
 
 @pytest.mark.parametrize("failing", [0, 2], ids=["first-step", "third-step"])
-def test_check_reports_a_compiled_step_that_raised_and_commits_nothing_for_it(guarded, failing):
+def test_check_reports_a_compiled_step_that_raised_and_commits_nothing_for_it(guarded, failing, monkeypatch):
     artifact, model, config = guarded
-    recording = _sharing(artifact, _Recording, sessions=[])
+    sessions = _recorded_sessions(monkeypatch)
     fail_at = sum(GUARDED_SCHEDULE[:failing])
-    report = check_artifact(recording, _guarded_bundle(model, config, fail_at), schedule=GUARDED_SCHEDULE)
+    report = check_artifact(artifact, _guarded_bundle(model, config, fail_at), schedule=GUARDED_SCHEDULE)
 
     assert report.passed is False
     assert len(report.steps) == failing + 1  # the replay stops at the step that raised
@@ -175,7 +179,7 @@ def test_check_reports_a_compiled_step_that_raised_and_commits_nothing_for_it(gu
     assert "compiled step raised: " in report.render()
 
     # commit only on success: the session holds exactly the steps before the one that raised
-    (session,) = recording.sessions
+    (session,) = sessions
     assert session.committed_length == fail_at
     assert session.metrics().steps == failing
     assert session.closed  # and the check closed it on this path too

@@ -15,11 +15,12 @@ import torch
 from offgraph_export.check import check_artifact
 from offgraph_export.errors import ArtifactError
 from offgraph_export.frontends import load_bundle
-from offgraph_export.lowering.portable import portable_update_and_attend
+from offgraph_export.kernels.portable import portable_update_and_attend
 from offgraph_export.passes.graph_utils import user_input_nodes
 from offgraph_export.passes.specialize_width import specialize_width
 from offgraph_export.lowering.aoti import compile_package
-from offgraph_export.pipeline import default_decode_gemv, default_decode_rope, export_model, run_passes
+from offgraph_export.options import default_decode_gemv, default_decode_rope
+from offgraph_export.pipeline import export_model, run_passes
 from offgraph_export.runtime import Artifact
 from offgraph_export.specs.artifact import DECODE_METHOD, STEP_METHOD, read_artifact_specs
 from tests.archive_tools import rewrite, specs_edit
@@ -104,9 +105,9 @@ def test_decode_folds_are_on_by_default_only_for_a_cuda_decode_method(device, de
 @pytest.mark.parametrize(
     "options, message",
     [
-        (dict(decode_gemv=True), "GEMV projections are a cuda kernel"),
-        (dict(decode_rope=True), "rotary fold is part of the triton step"),
-        (dict(decode_gemv=True, format="executorch"), "GEMV projections are a cuda kernel"),
+        (dict(decode_gemv=True), "--decode-gemv is a cuda kernel for the pt2 decode method"),
+        (dict(decode_rope=True), "--decode-rope folds the rotary embedding into the triton step"),
+        (dict(decode_gemv=True, format="executorch"), "--decode-gemv is a cuda kernel for the pt2 decode method"),
     ],
     ids=["gemv-on-cpu", "rope-on-cpu", "gemv-for-executorch"],
 )

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from offgraph_export.lowering.portable import portable_update_and_attend
+from offgraph_export.kernels.portable import portable_update_and_attend
 from offgraph_export.specs.manifest import ring_rows
 
 

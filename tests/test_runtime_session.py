@@ -415,3 +415,34 @@ def test_reserve_refusals(loaded_example):
     session.close()
     with pytest.raises(StepRefused, match="closed"):
         session.reserve(10)
+
+
+def test_feed_supplies_positions_and_matches_eager(loaded_example, example_bundle):
+    """``feed`` steps tokens at the committed length with the runtime's own positions: a builder
+    whose positions are wrong changes nothing (they are never used), and the outputs match the
+    eager model over a prefill, a growth and decode steps."""
+    session = loaded_example.new_session()
+    oracle = Oracle(example_bundle, loaded_example.specs.manifest)
+    tokens = tokens_for(7, 40)
+
+    def wrong_positions(chunk, start):  # the runtime must not read these
+        ids, _ = example_bundle.make_inputs(chunk, start)
+        return ids, torch.full((chunk.shape[1],), -5, dtype=torch.int64)
+
+    for start, chunk in chunks(tokens, [20, 1, 3, 1, 15]):
+        assert session.committed_length == start
+        out = session.feed(wrong_positions, chunk)[0]
+        torch.testing.assert_close(out, oracle.step(chunk), atol=ATOL, rtol=RTOL)
+    assert session.committed_length == 40 and session.metrics().growth_count == 2
+    # and with the builder's own (right) positions, the same as step()
+    other = loaded_example.new_session()
+    outs = [other.feed(example_bundle.make_inputs, chunk)[0] for _, chunk in chunks(tokens, [20, 20])]
+    ref = run_solo(loaded_example.new_session(), example_bundle, tokens, [20, 20])
+    for a, b in zip(outs, ref):
+        assert torch.equal(a, b)
+
+
+def test_replay_graph_needs_a_captured_graph(loaded_example):
+    session = loaded_example.new_session()
+    with pytest.raises(StepRefused, match="no captured decode graph"):
+        session.replay_graph()

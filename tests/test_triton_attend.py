@@ -17,33 +17,19 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
-
 import pytest
 import torch
 
 from offgraph_export.errors import ExportError
-from offgraph_export.lowering.portable import portable_update_and_attend
+from offgraph_export.kernels.portable import portable_update_and_attend
 from offgraph_export.specs.manifest import storage_row
-
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-HAVE_CUDA = torch.cuda.is_available()
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
-interpreter_only = pytest.mark.skipif(
-    not (HAVE_TRITON and INTERPRETING),
-    reason="interpreter case: runs in the TRITON_INTERPRET=1 child of test_interpreter_suite",
-)
-needs_cuda = pytest.mark.skipif(
-    not (HAVE_CUDA and HAVE_TRITON and not INTERPRETING),
-    reason="needs an NVIDIA GPU and triton (and TRITON_INTERPRET unset)",
+from tests.triton_testing import (
+    HAVE_TRITON, INTERPRETING, REPO_ROOT, interpreter_only, needs_cuda, needs_triton, run_interpreter_cases,
 )
 
 if HAVE_TRITON:
-    from offgraph_export.lowering import triton_attend
-    from offgraph_export.lowering.triton_attend import triton_update_and_attend
+    from offgraph_export.kernels import attend_prefill
+    from offgraph_export.kernels.triton_attend import triton_update_and_attend
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,10 +166,19 @@ CASES = [
     ),
 ]
 
-# Split-K settings small enough that short interpreter histories still split several ways.
-_SMALL_SPLITS = dict(
-    _SPLIT_TARGET_PROGRAMS=8, _MAX_SPLITS=4, _MIN_SPLIT_KEYS=64, _DECODE_MIN_SPLIT_KEYS=64
-)
+# Split-K settings small enough that short interpreter histories still split several ways, each
+# where it is defined (and alone read).
+_SMALL_SPLITS = {
+    "offgraph_export.kernels.attend_common._MAX_SPLITS": 4,
+    "offgraph_export.kernels.attend_prefill._SPLIT_TARGET_PROGRAMS": 8,
+    "offgraph_export.kernels.attend_prefill._MIN_SPLIT_KEYS": 64,
+    "offgraph_export.kernels.attend_decode._DECODE_MIN_SPLIT_KEYS": 64,
+}
+
+
+def _use_small_splits(monkeypatch) -> None:
+    for target, value in _SMALL_SPLITS.items():
+        monkeypatch.setattr(target, value)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,25 +189,13 @@ _SMALL_SPLITS = dict(
 @needs_triton
 def test_interpreter_suite():
     """Run the ``test_interp_*`` cases in a child process with ``TRITON_INTERPRET=1``."""
-    if INTERPRETING:
-        pytest.skip("this process is the interpreter child; its cases run directly")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-k", "test_interp_", "-q",
-         "-p", "no:cacheprovider", "-W", "ignore::DeprecationWarning"],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )
-    report = proc.stdout[-8000:] + proc.stderr[-4000:]
-    assert proc.returncode == 0, report
-    assert " passed" in proc.stdout and " skipped" not in proc.stdout, report
+    run_interpreter_cases(__file__)
 
 
 @interpreter_only
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_interp_matches_portable(case, monkeypatch):
-    for name, value in _SMALL_SPLITS.items():
-        monkeypatch.setattr(triton_attend, name, value)
+    _use_small_splits(monkeypatch)
     run_session(case, "cpu")
 
 
@@ -224,18 +207,18 @@ def test_interp_default_split_settings_long_decode():
 
 @interpreter_only
 @pytest.mark.parametrize(
-    "kernel, width, part_m_arg",
-    [("_decode_attend_kernel", 1, 8), ("_attend_kernel", 2, 6)],
+    "module, kernel, width, part_m_arg",
+    [("attend_decode", "_decode_attend_kernel", 1, 8), ("attend_prefill", "_attend_kernel", 2, 6)],
     ids=["one_token_kernel", "split_variant"],
 )
-def test_interp_short_step_really_splits(monkeypatch, kernel, width, part_m_arg):
+def test_interp_short_step_really_splits(monkeypatch, module, kernel, width, part_m_arg):
     """A short step over a long history splits its keys several ways: the partial rows of
     exactly the splits the plan says get written (the buffers are NaN-filled first), and the
     combine kernel merges them into the output compared above. One token takes its own kernel
     (row write folded in); two take the multi-token split variant."""
-    for name, value in _SMALL_SPLITS.items():
-        monkeypatch.setattr(triton_attend, name, value)
-    real = getattr(triton_attend, kernel)
+    _use_small_splits(monkeypatch)
+    owner = importlib.import_module(f"offgraph_export.kernels.{module}")
+    real = getattr(owner, kernel)
     partial_maxima = []
 
     class Spy:
@@ -249,7 +232,7 @@ def test_interp_short_step_really_splits(monkeypatch, kernel, width, part_m_arg)
                     real[grid](*args, **kwargs)
             return launch
 
-    monkeypatch.setattr(triton_attend, kernel, Spy())
+    monkeypatch.setattr(owner, kernel, Spy())
     monkeypatch.setattr(torch.library, "wrap_triton", lambda kernel: kernel)
     # 330 or 331 keys, at most 4 splits of >= 64 keys in 64-key blocks: 3 chunks of 128.
     run_session(Case("spy", hq=4, hkv=2, rows=400, history=330, steps=(width,)), "cpu")
@@ -344,11 +327,11 @@ def test_split_variant_gate():
     """The split variant serves exactly the steps whose query rows fit its tile, and always
     T = 1 and 2 (export's dynamic widths start at 2, so the gate must not be foldable to 0)."""
     for group in (1, 2, 4, 8, 16, 32):
-        small_t = triton_attend._small_t(group)
-        assert small_t >= 2 and group * small_t <= triton_attend._split_block_m(group)
-        gates = [triton_attend._is_small_step(t, small_t) for t in range(1, 4 * small_t + 1)]
+        small_t = attend_prefill._small_t(group)
+        assert small_t >= 2 and group * small_t <= attend_prefill._split_block_m(group)
+        gates = [attend_prefill._is_small_step(t, small_t) for t in range(1, 4 * small_t + 1)]
         assert gates == [1] * small_t + [0] * (3 * small_t), group
-        assert triton_attend._is_small_step(100_000, small_t) == 0
+        assert attend_prefill._is_small_step(100_000, small_t) == 0
 
 
 def test_window_must_be_positive():
@@ -368,7 +351,7 @@ def test_missing_triton_raises_export_error_only_when_used():
         "sys.modules['triton.language'] = None\n"
         "import torch\n"
         "from offgraph_export.errors import ExportError\n"
-        "from offgraph_export.lowering import triton_attend as m\n"
+        "from offgraph_export.kernels import triton_attend as m\n"
         "x = torch.zeros(1, 1, 1, 16)\n"
         "try:\n"
         "    m.triton_update_and_attend(x, x, x, torch.zeros(1, dtype=torch.int64), x, x, None,"
@@ -516,7 +499,7 @@ def test_cuda_aoti_package_matches_portable(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# The one-row GEMV of the decode method's projections (lowering/triton_gemv.py)
+# The one-row GEMV of the decode method's projections (kernels/triton_gemv.py)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -528,7 +511,7 @@ def test_cuda_aoti_package_matches_portable(tmp_path):
 def test_interp_gemv_matches_linear(n, k, dtype):
     """Odd sizes (partial row and column blocks), one row and many, 16-bit and fp32 weights;
     against ``F.linear`` computed in fp32 and rounded like the kernel's output."""
-    from offgraph_export.lowering.triton_gemv import triton_gemv
+    from offgraph_export.kernels.triton_gemv import triton_gemv
 
     gen = torch.Generator().manual_seed(n + k)
     x = torch.randn(1, 1, k, generator=gen).to(dtype)
@@ -542,7 +525,7 @@ def test_interp_gemv_matches_linear(n, k, dtype):
 @interpreter_only
 def test_interp_gemv_reads_a_strided_row():
     """A row that is a strided view (every other element) gives the same result as its copy."""
-    from offgraph_export.lowering.triton_gemv import triton_gemv
+    from offgraph_export.kernels.triton_gemv import triton_gemv
 
     gen = torch.Generator().manual_seed(1)
     wide = torch.randn(1, 1, 2 * 200, generator=gen)
@@ -553,7 +536,7 @@ def test_interp_gemv_reads_a_strided_row():
 
 
 def test_gemv_applies_only_to_narrow_one_row_linears():
-    from offgraph_export.lowering.triton_gemv import MAX_GEMV_ROWS, gemv_applies
+    from offgraph_export.kernels.triton_gemv import MAX_GEMV_ROWS, gemv_applies
 
     assert gemv_applies((1, 1, 2048), (3072, 2048))
     assert not gemv_applies((1, 2, 2048), (3072, 2048))  # two rows
@@ -600,7 +583,7 @@ FOLDS = [  # (norm, gated, gate_first, residual)
 def test_interp_gemv_folds_match_eager(n, k, norm, gated, gate_first, residual):
     """Each fold against the eager ops it replaces, in fp32 (exact up to summation order; the
     interpreter truncates fp32 -> bf16, so bf16 rounding is checked on the GPU instead)."""
-    from offgraph_export.lowering.triton_gemv import triton_gemv
+    from offgraph_export.kernels.triton_gemv import triton_gemv
 
     x, w, nw, res = _fold_inputs(n, k, torch.float32, norm, gated, residual)
     got = triton_gemv(x, w, nw, 1e-5, res, gated, gate_first)
@@ -616,7 +599,7 @@ def test_interp_gemv_folds_match_eager(n, k, norm, gated, gate_first, residual):
 def test_gemv_folds_match_eager_on_cuda(n, k, norm, gated, gate_first, residual):
     """bf16 at the Llama-1B projection shapes (and odd ones): the folds round each intermediate as
     eager does, so the result is as close to a float64 recompute as eager bf16 is."""
-    from offgraph_export.lowering.triton_gemv import triton_gemv
+    from offgraph_export.kernels.triton_gemv import triton_gemv
 
     x, w, nw, res = _fold_inputs(n, k, torch.bfloat16, norm, gated, residual, device="cuda", seed=7)
     want = _eager_folds(x.double(), w.double(), None if nw is None else nw.double(), 1e-5,

@@ -146,3 +146,13 @@ class Guarded(nn.Module):
     def forward(self, x: torch.Tensor, position: torch.Tensor, fail: torch.Tensor) -> torch.Tensor:
         torch._check(fail.max().item() == 0)
         return self.body(x, position)
+
+
+class GuardedTokens(TokensModel):
+    """:class:`TokensModel` behind a runtime assert on the token ids: a step carrying an id of 60
+    or more (inside the embedding's 64 rows, so admission lets it through) raises inside the
+    compiled program, the way to make a batched step fail on purpose."""
+
+    def forward(self, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        torch._check(tokens.max().item() < 60)
+        return super().forward(tokens, position)

@@ -9,10 +9,14 @@ import time
 import traceback
 from dataclasses import replace
 from pathlib import Path
+from typing import get_args
 
 import click
 
 from offgraph_export.errors import OffgraphError
+from offgraph_export.options import AUTOTUNE_CHOICES, BACKENDS, DEVICES, FORMATS, STEP_IMPLS, ExportOptions, OptionError
+from offgraph_export.specs.manifest import StorageDtype
+from offgraph_export.specs.text import safe_text
 
 __all__ = ["cli"]
 
@@ -22,7 +26,10 @@ def _say(message: str) -> None:
 
 
 def _one_line(text: str) -> str:
-    return "; ".join(line.strip() for line in str(text).strip().splitlines() if line.strip())
+    """An error message as one line: its lines joined with ``"; "``, then every control character
+    left (a CR, an ESC, ... quoted from an archive) escaped (:func:`safe_text`)."""
+    lines = str(text).replace("\r\n", "\n").split("\n")
+    return safe_text("; ".join(line.strip() for line in lines if line.strip()))
 
 
 class _Pairs(click.ParamType):
@@ -96,16 +103,12 @@ def _check_output(path: str, suffix: str) -> Path:
     return target
 
 
-def _check_device(device: str, step_impl: str | None) -> None:
+def _check_device(device: str) -> None:
+    """The device is there (the options' rules are :meth:`ExportOptions.resolve`'s)."""
     import torch
 
     if device == "cuda" and not torch.cuda.is_available():
         raise click.BadParameter("cuda was asked for but no CUDA device is available", param_hint="'--device'")
-    if device == "cpu" and step_impl == "triton":
-        raise click.BadParameter(
-            "the triton step runs on cuda only; use --step-impl portable (the cpu default)",
-            param_hint="'--step-impl'",
-        )
 
 
 def _model_reference(artifact: str, specs, model: str | None, recorded: bool) -> str:
@@ -115,12 +118,12 @@ def _model_reference(artifact: str, specs, model: str | None, recorded: bool) ->
         return model
     if not recorded:
         raise click.UsageError(
-            f"name the model to compare against with --model (for example --model {specs.model or 'FILE.py:FUNCTION'}), "
+            f"name the model to compare against with --model (for example --model {safe_text(specs.model or 'FILE.py:FUNCTION')}), "
             "or pass --recorded-model to import the one the artifact records"
         )
     if not specs.model:
         raise OffgraphError(f"{artifact} records no model; pass --model")
-    _say(f"importing the model recorded in {artifact}: {specs.model} with arguments {specs.model_args}")
+    _say(safe_text(f"importing the model recorded in {artifact}: {specs.model} with arguments {specs.model_args}"))
     return specs.model
 
 
@@ -132,7 +135,7 @@ def _model_args(artifact: str, specs, factory_args: tuple[str, ...]) -> dict:
     if factory_args:
         return parse_factory_args(factory_args)
     if specs.model_args:
-        _say(f"model arguments recorded in {artifact}: {specs.model_args} (give -a NAME=VALUE to choose them)")
+        _say(safe_text(f"model arguments recorded in {artifact}: {specs.model_args} (give -a NAME=VALUE to choose them)"))
     return dict(specs.model_args)
 
 
@@ -156,75 +159,57 @@ def cli(debug: bool) -> None:
 @cli.command()
 @click.argument("model_factory")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Path of the .pt2 to write.")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True)
 @click.option("--max-capacity", type=POSITIVE, help="Hard bound of tokens per session (default: the model's).")
 @click.option("--initial-capacity", type=POSITIVE, help="Flat rows allocated when a session opens.")
 @click.option("--max-write", type=POSITIVE, help="Most tokens one step may write (the compiled width range).")
-@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), help="Cast the model and store the cache in this dtype.")
+@click.option("--dtype", type=click.Choice(get_args(StorageDtype)), help="Cast the model and store the cache in this dtype.")
 @click.option("--ring", "rings", type=_Pairs(), multiple=True, help="Make LAYER a sliding-window layer: LAYER=WINDOW (repeatable).")
 @click.option("--all-flat", is_flag=True, help="Ignore the factory's ring layers: every layer keeps all history.")
-@click.option("--step-impl", type=click.Choice(["portable", "triton"]), help="Lowered step implementation (default: triton on cuda, portable on cpu).")
-@click.option("--format", "fmt", type=click.Choice(["pt2", "executorch"]), default="pt2", show_default=True, help="pt2: an AOTInductor package; executorch: an ExecuTorch .pte (cpu, or cuda with its .ptd).")
-@click.option("--executorch-backend", type=click.Choice(["xnnpack", "portable", "cuda"]), help="With --format executorch: on cpu delegate to XNNPACK where it applies (default) or use portable kernels only; on cuda the CUDA delegate (default; writes the .pte and its .ptd data file).")
+@click.option("--max-sessions", type=POSITIVE, help="Build a batched artifact: one step carries the tokens of up to N sessions, their flat layers' K/V in shared page pools (docs/design.md section 10). Default: one session per program.")
+@click.option("--page-size", type=POSITIVE, help="With --max-sessions: rows per page, a power of two (default 16).")
+@click.option("--pool-pages", type=click.IntRange(min=2), help="With --max-sessions: the default pool size in pages, the scratch page included (default: every session at --max-capacity; a runner may choose another).")
+@click.option("--step-impl", type=click.Choice(STEP_IMPLS), help="Lowered step implementation (default: triton on cuda, portable on cpu).")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="pt2", show_default=True, help="pt2: an AOTInductor package; executorch: an ExecuTorch .pte (cpu, or cuda with its .ptd).")
+@click.option("--executorch-backend", type=click.Choice(BACKENDS), help="With --format executorch: on cpu delegate to XNNPACK where it applies (default) or use portable kernels only; on cuda the CUDA delegate (default; writes the .pte and its .ptd data file).")
 @click.option("--fuse-projections/--no-fuse-projections", "fuse", default=True, show_default=True, help="Fuse sibling projections (q/k/v, gate/up) into one GEMM each (default: on).")
 @click.option("--decode-method/--no-decode-method", "decode_method", default=None, help="Also compile a one-token decode method (the token width fixed at 1; the cache rows stay dynamic), used for every width-1 step (default: on for cuda, off for cpu; pt2 only).")
-@click.option("--max-autotune", type=click.Choice(["none", "decode", "all"]), help="Which methods inductor compiles with max-autotune (GEMM kernels chosen by timing them on the device; slower compile). Default: decode on cuda, none on cpu; pt2 only.")
+@click.option("--max-autotune", type=click.Choice(AUTOTUNE_CHOICES), help="Which methods inductor compiles with max-autotune (GEMM kernels chosen by timing them on the device; slower compile). Default: decode on cuda, none on cpu; pt2 only.")
 @click.option("--decode-gemv/--no-decode-gemv", "decode_gemv", default=None, help="In the decode method, run projections of at most 8192 outputs with the Triton GEMV kernel instead of the compiler's GEMM, folding in the RMSNorm before them, the SiLU·mul after a fused gate|up projection and the residual add after them (default: on wherever there is a cuda decode method).")
 @click.option("--decode-rope/--no-decode-rope", "decode_rope", default=None, help="In the decode method, rotate the query and new key inside the one-token attention kernel instead of a rotary-embedding kernel per layer (Llama-family eager rotary form; default: on for the cuda decode method with the triton step).")
 @click.option("-a", "--arg", "factory_args", multiple=True, metavar="NAME=VALUE", help="Keyword argument for the model factory (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
-def export(model_factory, output, device, max_capacity, initial_capacity, max_write, dtype, rings, all_flat, step_impl, fmt, executorch_backend, fuse, decode_method, max_autotune, decode_gemv, decode_rope, factory_args, as_json):
+def export(model_factory, output, device, max_capacity, initial_capacity, max_write, dtype, rings, all_flat, max_sessions, page_size, pool_pages, step_impl, fmt, executorch_backend, fuse, decode_method, max_autotune, decode_gemv, decode_rope, factory_args, as_json):
     """Export MODEL_FACTORY (FILE.py:FUNCTION or package.module:FUNCTION) to a .pt2 artifact."""
     from offgraph_export.frontends import canonical_reference, load_bundle
     from offgraph_export.frontends.factory import parse_factory_args
     from offgraph_export.models import cast_bundle
-    from offgraph_export.lowering.step_impls import default_step_impl
-    from offgraph_export.pipeline import default_decode_gemv, default_decode_rope, export_and_lower
+    from offgraph_export.pipeline import export_and_lower
 
     _check_output(output, ".pte" if fmt == "executorch" else ".pt2")
-    if fmt == "executorch" and executorch_backend is not None:
-        from offgraph_export.lowering.executorch import BACKEND_DEVICE
-
-        if BACKEND_DEVICE[executorch_backend] != device:
-            raise click.BadParameter(
-                f"the {executorch_backend} backend builds for {BACKEND_DEVICE[executorch_backend]}, not {device}",
-                param_hint="'--executorch-backend'",
-            )
-    if fmt == "executorch" and (decode_method or max_autotune not in (None, "none")):
-        raise click.BadParameter(
-            "--decode-method and --max-autotune are AOTInductor options; drop them for --format executorch",
-            param_hint="'--format'",
+    _check_device(device)
+    if max_sessions is None and (page_size is not None or pool_pages is not None):
+        raise click.BadParameter("--page-size and --pool-pages size a batched artifact's pools: give --max-sessions too",
+                                 param_hint="'--max-sessions'")
+    try:  # every rule on which options go together, before the model is built
+        options = ExportOptions.parse(
+            format=fmt, device=device, executorch_backend=executorch_backend, step_impl=step_impl,
+            fuse_projections=fuse, decode_method=decode_method, max_autotune=max_autotune,
+            decode_gemv=decode_gemv, decode_rope=decode_rope,
         )
-    _check_device(device, step_impl)
-    may_decode = fmt == "pt2" and decode_method is not False  # a decode method the folds can go into
-    if decode_gemv and not (may_decode and default_decode_gemv(device, True)):
-        raise click.BadParameter(
-            "--decode-gemv is a cuda kernel for the pt2 decode method: use it with --device cuda "
-            "and without --no-decode-method",
-            param_hint="'--decode-gemv'",
-        )
-    if decode_rope and not (may_decode and default_decode_rope(device, True, step_impl or default_step_impl(device))):
-        raise click.BadParameter(
-            "--decode-rope folds the rotary embedding into the triton step's one-token kernel: use "
-            "it with --device cuda, the triton step and without --no-decode-method",
-            param_hint="'--decode-rope'",
-        )
-    if fmt == "executorch" and step_impl == "triton":
-        raise click.BadParameter(
-            "the executorch format exports on cpu with the portable step; drop --step-impl triton",
-            param_hint="'--step-impl'",
-        )
+        options.resolve()
+    except OptionError as exc:
+        raise click.BadParameter(str(exc), param_hint=f"'{exc.flag}'") from None
     args = parse_factory_args(factory_args)
     _say(f"building {model_factory}")
     bundle = cast_bundle(load_bundle(model_factory, **args), dtype)
     config = bundle.cache_config.with_overrides(
         max_capacity=max_capacity, initial_capacity=initial_capacity, max_write=max_write,
-        rings=rings, all_flat=all_flat,
+        rings=rings, all_flat=all_flat, max_sessions=max_sessions, page_size=page_size, pool_pages=pool_pages,
     )
     started = time.perf_counter()
     path, program, timings = export_and_lower(
-        replace(bundle, cache_config=config), output, device=device, step_impl=step_impl, fuse=fuse, format=fmt, executorch_backend=executorch_backend,
-        decode_method=decode_method, max_autotune=max_autotune, decode_gemv=decode_gemv, decode_rope=decode_rope,
+        replace(bundle, cache_config=config), output, options,
         progress=lambda m: _say(f"[{time.perf_counter() - started:6.1f}s] {m}"),
         model=canonical_reference(model_factory), model_args=args, model_dtype=dtype,
     )
@@ -268,6 +253,12 @@ def inspect(artifact, as_json):
         f"'{specs.inputs[specs.step_width.input_index].name}', dim {specs.step_width.dim})",
         f"cache         {m.storage_dtype}, batch {m.batch_size}, capacity {m.initial_capacity} -> "
         f"{m.max_capacity} tokens, max_write {m.max_write}",
+        *(
+            [f"sessions      {m.paging.max_sessions} slots, pages of {m.paging.page_size} rows, "
+             f"{m.paging.pages_per_session} pages a session, default pool {m.paging.pool_pages} pages "
+             f"(batch inputs {', '.join(i.name for i in m.paging.inputs)})"]
+            if m.paging is not None else []
+        ),
         f"methods       {', '.join(specs.methods)}"
         + ("  (decode: width 1, static shapes)" if specs.decode_method else ""),
         f"options       {', '.join(f'{k}={v}' for k, v in specs.options.items()) or '-'}",
@@ -275,9 +266,9 @@ def inspect(artifact, as_json):
         "inputs",
     ]
     for i, inp in enumerate(specs.inputs):
-        out.append(f"  {i:<3d} {inp.name:<16s} {inp.dtype:<9s} {inp.shape}")
+        out.append(f"  {i:<3d} {safe_text(inp.name):<16s} {inp.dtype:<9s} {inp.shape}")
     for s in m.storage_inputs():
-        out.append(f"  {s.index:<3d} {s.name:<16s} {m.storage_dtype:<9s} (storage)")
+        out.append(f"  {s.index:<3d} {safe_text(s.name):<16s} {m.storage_dtype:<9s} (storage)")
     for name, rng in specs.symbols.items():
         out.append(f"      {name} in [{rng.min}, {rng.max}]")
     out += ["", "layers", "  id  policy window kv_heads head_dim v_head_dim  k / v inputs"]
@@ -291,24 +282,27 @@ def inspect(artifact, as_json):
     for name, size in entries:
         out.append(f"  {size:>12,d}  {name}")
     out.append(f"  {total:>12,d}  total (uncompressed)")
-    click.echo("\n".join(out))
+    # the specs' and the archive's text is the archive's: a line of it shows no control character
+    # (one escape sequence could retitle the terminal or rewrite what was printed before it)
+    click.echo("\n".join(safe_text(line) for line in out))
 
 
 @cli.command()
 @click.argument("artifact", type=click.Path(dir_okay=False))
 @click.option("--model", "model_factory", metavar="REF", help="The model of the eager oracle: hf:DIR, FILE.py:FUNCTION or package.module:FUNCTION.")
 @click.option("--recorded-model", is_flag=True, help="Import the model the artifact records instead (says what it imports).")
-@click.option("--steps", default=16, show_default=True, type=POSITIVE, help="Decode steps after the prefill.")
-@click.option("--prefill-chunks", default=3, show_default=True, type=POSITIVE, help="Chunks the prefill is split into.")
+@click.option("--steps", type=click.IntRange(1, 100_000), help="Decode steps after the prefill (default 16); with --sessions, packed steps.")
+@click.option("--prefill-chunks", default=3, show_default=True, type=click.IntRange(1, 100_000), help="Chunks the prefill is split into.")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
 @click.option("-a", "--arg", "factory_args", multiple=True, metavar="NAME=VALUE", help="Model argument (default: those recorded at export).")
 @click.option("--cuda-graphs", is_flag=True, help="Replay decode steps as CUDA graphs (cuda artifacts).")
+@click.option("--sessions", type=click.IntRange(1, 4096), help="A batched artifact (--max-sessions): run this many sessions with random joins and leaves, mixed prefill and decode steps, and check every step of every session against its own eager model; --steps then counts packed steps (default: enough to wrap every ring).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def check(artifact, model_factory, recorded_model, steps, prefill_chunks, seed, factory_args, cuda_graphs, as_json):
+def check(artifact, model_factory, recorded_model, steps, prefill_chunks, seed, factory_args, cuda_graphs, sessions, as_json):
     """Check ARTIFACT's compiled steps against its spec and the eager model.
 
     Exits 0 when every step matches, 1 when any check fails, 2 when the check cannot run."""
-    from offgraph_export.check import check_artifact
+    from offgraph_export.check import check_artifact, check_batched
     from offgraph_export.frontends import load_bundle
     from offgraph_export.models import cast_bundle
     from offgraph_export.runtime import read_specs
@@ -318,32 +312,47 @@ def check(artifact, model_factory, recorded_model, steps, prefill_chunks, seed, 
         raise click.BadParameter("CUDA graphs need a cuda artifact", param_hint="'--cuda-graphs'")
     factory = _model_reference(artifact, specs, model_factory, recorded_model)
     bundle = cast_bundle(load_bundle(factory, **_model_args(artifact, specs, factory_args)), specs.model_dtype)
-    _say(f"checking {artifact} against {factory} on {specs.device}")
-    report = check_artifact(artifact, bundle, decode_steps=steps, prefill_chunks=prefill_chunks, seed=seed,
-                            cuda_graphs=cuda_graphs)
+    batched = specs.manifest.paging is not None
+    if sessions is not None and not batched:
+        raise click.BadParameter(f"{artifact} serves one session per program (export it with --max-sessions)", param_hint="'--sessions'")
+    _say(safe_text(f"checking {artifact} against {factory} on {specs.device}"))
+    if batched:
+        report = check_batched(artifact, bundle, sessions=sessions or min(8, specs.manifest.paging.max_sessions * 2),
+                               steps=steps, seed=seed, cuda_graphs=cuda_graphs)
+    else:
+        report = check_artifact(artifact, bundle, decode_steps=steps or 16, prefill_chunks=prefill_chunks, seed=seed,
+                                cuda_graphs=cuda_graphs)
     report.model = factory
-    click.echo(report.model_dump_json(indent=2) if as_json else report.render())
+    click.echo(json.dumps(report.model_dump(mode="json"), indent=2) if as_json else report.render())  # ASCII: escapes C1 and bidi too
     sys.exit(0 if report.passed else 1)
 
 
 @cli.command()
 @click.argument("artifact", type=click.Path(dir_okay=False))
-@click.option("--prompt", help="Text prompt (encoded by the model factory's tokenizer).")
+@click.option("--prompt", "prompts", multiple=True, help="Text prompt (encoded by the model factory's tokenizer); repeat it to generate for several prompts together.")
+@click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False), help="A file of prompts, one a line (empty lines skipped).")
 @click.option("--tokens", help="Comma-separated token ids instead of a prompt.")
 @click.option("--max-new-tokens", default=32, show_default=True, type=POSITIVE)
 @click.option("--model", "model_factory", metavar="REF", help="The model whose tokenizer and input builder to use: hf:DIR, FILE.py:FUNCTION or package.module:FUNCTION.")
 @click.option("--recorded-model", is_flag=True, help="Import the model the artifact records instead (says what it imports).")
 @click.option("-a", "--arg", "factory_args", multiple=True, metavar="NAME=VALUE", help="Model argument (default: those recorded at export).")
 @click.option("--cuda-graphs", is_flag=True, help="Replay decode steps as CUDA graphs (cuda artifacts).")
-@click.option("--json", "as_json", is_flag=True, help="Print tokens, text and metrics as JSON.")
-def run(artifact, prompt, tokens, max_new_tokens, model_factory, recorded_model, factory_args, cuda_graphs, as_json):
-    """Greedy generation from ARTIFACT with a session-owned cache."""
+@click.option("--temperature", type=click.FloatRange(min=0, max=1e6), default=0.0, show_default=True, help="A batched artifact: sample at this temperature (0: greedy).")
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="A batched artifact: sample among the k most likely tokens (0: all).")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Sampling seed (prompt i uses seed + i).")
+@click.option("--json", "as_json", is_flag=True, help="Print tokens, text and metrics as JSON (a list of one object per prompt when given several).")
+def run(artifact, prompts, prompts_file, tokens, max_new_tokens, model_factory, recorded_model, factory_args, cuda_graphs,
+        temperature, top_k, seed, as_json):
+    """Generate from ARTIFACT with runtime-owned caches: greedy for one session per program; a
+    batched artifact (--max-sessions) generates every prompt together (continuous batching)."""
     from offgraph_export.frontends import load_bundle
-    from offgraph_export.generate import generate
     from offgraph_export.runtime import load_artifact, read_specs
 
-    if (prompt is None) == (tokens is None):
-        raise click.UsageError("give exactly one of --prompt or --tokens")
+    texts = list(prompts)
+    if prompts_file is not None:
+        texts += [line for line in Path(prompts_file).read_text().splitlines() if line.strip()]
+    if bool(texts) == (tokens is not None):
+        raise click.UsageError("give exactly one of --prompt/--prompts or --tokens")
     ids: list[int] = []
     if tokens is not None:
         try:
@@ -355,29 +364,67 @@ def run(artifact, prompt, tokens, max_new_tokens, model_factory, recorded_model,
     specs = read_specs(artifact)
     if cuda_graphs and specs.device != "cuda":
         raise click.BadParameter("CUDA graphs need a cuda artifact", param_hint="'--cuda-graphs'")
+    batched = specs.manifest.paging is not None
+    if (temperature or top_k) and not batched:
+        raise click.BadParameter("sampling is for batched artifacts (--max-sessions); this one decodes greedily",
+                                 param_hint="'--temperature'")
     factory = _model_reference(artifact, specs, model_factory, recorded_model)
     bundle = load_bundle(factory, **_model_args(artifact, specs, factory_args))
-    if prompt is not None:
+    if texts:
         if bundle.encode is None:
             raise OffgraphError(f"{factory} has no tokenizer; use --tokens")
-        ids = bundle.encode(prompt)
+        all_ids = [bundle.encode(t) for t in texts]
+    else:
+        all_ids = [ids]
     loaded = load_artifact(artifact, single_threaded=cuda_graphs)
-    session = loaded.new_session(cuda_graphs=cuda_graphs)
+    if batched:
+        rows = _run_batched(loaded, all_ids, max_new_tokens, cuda_graphs, temperature, top_k, seed)
+    else:
+        rows = [_run_one(loaded, bundle, p, max_new_tokens, cuda_graphs) for p in all_ids]
+    for row in rows:
+        row["text"] = bundle.decode(row["new_tokens"]) if bundle.decode else None
+    if as_json:
+        click.echo(json.dumps(rows[0] if len(rows) == 1 else rows))
+        return
+    for row in rows:
+        click.echo(row["text"] if row["text"] is not None else " ".join(map(str, row["new_tokens"])))
+    for i, row in enumerate(rows):
+        m, ms = row["metrics"], row["decode_ms_median"]
+        head = f"prompt {i}: " if len(rows) > 1 else ""
+        decode = f"{ms:.2f} ms/token" if ms is not None else "n/a (no decode step)"
+        if batched:
+            _say(f"{head}{len(row['prompt_tokens'])} prompt tokens, {len(row['new_tokens'])} new; decode step median {decode}")
+        else:
+            _say(
+                f"{head}session: committed_length {m['committed_length']}, capacity {m['capacity']}, "
+                f"{m['growth_count']} growths, {m['allocated_bytes'] / 1e6:.2f} MB, "
+                f"{m['graph_captures']} graph captures; decode median {decode}"
+            )
+
+
+def _run_one(loaded, bundle, ids: list[int], max_new_tokens: int, cuda_graphs: bool) -> dict:
+    from offgraph_export.generate import generate
+    from offgraph_export.runtime import Session
+
+    session = Session(loaded, cuda_graphs=cuda_graphs)
     with click.progressbar(length=max_new_tokens, label="generating", file=sys.stderr) as bar:
         result = generate(session, bundle.make_inputs, ids, max_new_tokens, on_token=lambda _: bar.update(1))
-    text = bundle.decode(result.new_tokens) if bundle.decode else None
-    metrics = session.metrics()
-    if as_json:
-        click.echo(json.dumps({"prompt_tokens": ids, "new_tokens": result.new_tokens, "text": text,
-                               "metrics": metrics.model_dump(), "decode_ms_median": result.decode_ms_median}))  # None: no decode step
-        return
-    click.echo(text if text is not None else " ".join(map(str, result.new_tokens)))
-    _say(
-        f"session: committed_length {metrics.committed_length}, capacity {metrics.capacity}, "
-        f"{metrics.growth_count} growths, {metrics.allocated_bytes / 1e6:.2f} MB, "
-        f"{metrics.graph_captures} graph captures; decode median "
-        + (f"{result.decode_ms_median:.2f} ms/token" if result.decode_ms_median is not None else "n/a (no decode step)")
-    )
+    session.close()
+    return {"prompt_tokens": ids, "new_tokens": result.new_tokens, "metrics": session.metrics().model_dump(),
+            "decode_ms_median": result.decode_ms_median}  # None: no decode step
+
+
+def _run_batched(loaded, all_ids, max_new_tokens: int, cuda_graphs: bool, temperature: float, top_k: int, seed: int) -> list[dict]:
+    from offgraph_export.generate import Sampling, generate_batch
+    from offgraph_export.runtime.batched import BatchedRunner
+
+    runner = BatchedRunner(loaded, cuda_graphs=cuda_graphs)
+    sampling = [Sampling(temperature, top_k, seed + i) for i in range(len(all_ids))]
+    _say(f"generating for {len(all_ids)} prompts together ({runner.paging.max_sessions} session slots)")
+    results = generate_batch(runner, all_ids, max_new_tokens, sampling)
+    metrics = runner.metrics().model_dump()
+    return [{"prompt_tokens": ids, "new_tokens": r.new_tokens, "metrics": metrics, "decode_ms_median": r.decode_ms_median}
+            for ids, r in zip(all_ids, results)]
 
 
 if __name__ == "__main__":

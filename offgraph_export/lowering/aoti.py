@@ -38,7 +38,6 @@ from offgraph_export.specs.manifest import MANIFEST_KEY
 from offgraph_export.specs.step_width import STEP_WIDTH_KEY
 
 __all__ = [
-    "AUTOTUNE_CHOICES",
     "compile_package",
     "aoti_metadata",
     "inductor_configs",
@@ -46,9 +45,6 @@ __all__ = [
     "program_constants",
 ]
 
-#: ``max_autotune`` option values: which methods' GEMMs inductor tunes by benchmarking candidates
-#: on the device at compile time (slower compile, faster small-batch GEMMs).
-AUTOTUNE_CHOICES = ("none", "decode", "all")
 
 
 def program_constants(ep: ExportedProgram) -> dict[str, Any]:

@@ -37,23 +37,17 @@ from torch.export import ExportedProgram
 from offgraph_export.errors import ExportError
 from offgraph_export.lowering.output_files import publish, staging
 from offgraph_export.specs.artifact import ArtifactSpecs
+from offgraph_export.options import BACKENDS, ExportOptions
 from offgraph_export.specs.manifest import MANIFEST_KEY
 from offgraph_export.specs.pte import spec_constants
 from offgraph_export.specs.step_width import STEP_WIDTH_KEY, StepWidthSpec, format_step_width, parse_step_width
 
 __all__ = [
-    "BACKENDS",
-    "BACKEND_DEVICE",
     "data_path",
     "compile_pte",
     "delegate_width_specs",
 ]
 
-#: What lowers the program's ops: ExecuTorch's portable kernels alone, XNNPACK where it applies
-#: (both cpu), or the CUDA delegate (the whole program, compiled by AOTInductor).
-BACKENDS = ("xnnpack", "portable", "cuda")
-#: The device each backend's program runs on.
-BACKEND_DEVICE = {"xnnpack": "cpu", "portable": "cpu", "cuda": "cuda"}
 
 def _executorch():
     try:
@@ -155,12 +149,8 @@ def compile_pte(
     target = Path(path)
     if target.suffix != ".pte":
         raise ExportError(f"artifact path {str(target)!r} must end in .pte")
-    if backend not in BACKENDS:
-        raise ExportError(f"unknown executorch backend {backend!r}; expected one of {BACKENDS}")
-    if specs.device != BACKEND_DEVICE[backend]:
-        raise ExportError(
-            f"the {backend!r} executorch backend builds for {BACKEND_DEVICE[backend]}, not {specs.device}"
-        )
+    # the backend's vocabulary and device (the rules live in options.py)
+    ExportOptions.parse(format="executorch", device=specs.device, executorch_backend=backend).resolve()
     backend_config, to_edge_transform_and_lower = _executorch()
     grads = [name for name, p in ep.named_parameters() if p.requires_grad]
     if grads:

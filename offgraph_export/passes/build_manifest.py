@@ -16,6 +16,7 @@ from offgraph_export.passes.result import PassResult
 from offgraph_export.specs.cache_config import CacheConfig
 from offgraph_export.specs.manifest import (
     MANIFEST_VERSION,
+    PAGED_MANIFEST_VERSION,
     CacheManifest,
     storage_index,
     storage_names,
@@ -60,9 +61,13 @@ def build_manifest(ep: ExportedProgram, config: CacheConfig) -> PassResult[Cache
         )
     if len(batch_sizes) != 1:
         raise ExportError(f"KV ops disagree on batch size: {sorted(batch_sizes)}")
+    paging = config.paging(storage_index(first, len(sites), "k"))
+    if paging is not None and batch_sizes != {1}:
+        raise ExportError(f"a batched artifact packs sessions along the tokens: the model's batch must be 1, got {sorted(batch_sizes)}")
     try:
         manifest = CacheManifest(
-            version=MANIFEST_VERSION,
+            version=MANIFEST_VERSION if paging is None else PAGED_MANIFEST_VERSION,
+            paging=paging,
             storage_dtype=config.storage_dtype,
             batch_size=batch_sizes.pop(),
             max_capacity=config.max_capacity,

@@ -4,7 +4,7 @@ norm before them and the SiLU·mul and residual add after them.
 Why: in the decode method (width fixed at 1) every projection is a matrix-vector product, and the
 compiler's GEMM templates run the narrow ones (output width <= 8192: q/k/v, output and down
 projections of a Llama-shaped model) on fewer programs than the GPU has SMs
-(:mod:`offgraph_export.lowering.triton_gemv` says what was measured). At one token the step is
+(:mod:`offgraph_export.kernels.triton_gemv` says what was measured). At one token the step is
 also bound by launches: every RMSNorm, SiLU·mul and residual add is a kernel of its own, about 5
 per layer. This pass rewrites each ``aten.linear(x, w)`` without bias whose input is one static
 row and whose weight is a row-major cuda parameter or constant into the
@@ -14,7 +14,7 @@ row and whose weight is a row-major cuda parameter or constant into the
   input in fp32: the eager pattern of Llama-family models), as the kernel's prologue;
 * a ``silu(gate) * up`` reading the two halves of a gate|up projection (as
   :mod:`~offgraph_export.passes.fuse_projections` splits it), as the gated epilogue; the
-  projection may then be up to twice :data:`~offgraph_export.lowering.triton_gemv.MAX_GEMV_ROWS`
+  projection may then be up to twice :data:`~offgraph_export.kernels.triton_gemv.MAX_GEMV_ROWS`
   wide;
 * an ``add`` of another tensor of the output's shape and dtype, as the residual epilogue.
 
@@ -216,7 +216,7 @@ def _site(
 ) -> Optional[_Site]:
     """The GEMV site at ``node`` with its folds, or None. ``claimed``: nodes earlier sites
     replace (a residual ``add`` of two linears is folded into the first of them only)."""
-    from offgraph_export.lowering.triton_gemv import gemv_applies
+    from offgraph_export.kernels.triton_gemv import gemv_applies
 
     if not is_call(node, aten.linear.default):
         return None
@@ -259,7 +259,7 @@ def decode_gemv(ep: ExportedProgram, device_types: tuple[str, ...] = ("cuda",)) 
     """Rewrite one-row linears of ``ep`` (in place) to the GEMV op with their folds; see the module
     docstring. ``device_types``: where the kernel may run; a GPU kernel, so cuda (the Triton
     interpreter also runs it on cpu tensors, which the tests use)."""
-    import offgraph_export.lowering.triton_gemv  # noqa: F401  (defines the op)
+    import offgraph_export.kernels.triton_gemv  # noqa: F401  (defines the op)
 
     gemv = torch.ops.offgraph_lowered.triton_gemv.default
     weights = _weight_names(ep)

@@ -3,8 +3,8 @@
 Why: at one token the rotary embedding is one small pointwise kernel per layer (on the H200 about
 2.5 us of a 1.2 ms Llama-1B step, 16 launches), reading and writing a few hundred bytes. The
 one-token attention kernel already loads the query and the new key, so it can rotate them itself
-(``lowering/triton_attend.py``, ``_rotate_half``) given the step's ``cos``/``sin`` rows, which the
-program computes once per step for every layer.
+(``kernels/attend_decode.py``, with ``attend_common._rotate_half``) given the step's ``cos``/``sin``
+rows, which the program computes once per step for every layer.
 
 The pattern is the eager form of Llama-family models, on the query and on the key of one
 ``offgraph_lowered::triton_update_and_attend`` call of width 1::
@@ -16,7 +16,9 @@ the key, and every value inside the pattern used only there. The call then takes
 k and the rows as ``rope_cos``/``rope_sin``; the kernel computes the same products and sum in
 fp32 and rounds once, as Inductor's fused rotary kernel does (eager rounds each product and the sum:
 in bf16 the two may differ by one unit in the last place). A call whose pattern has a memory write between its first node and the call
-is left alone. Run it on the decode method before ``functionalize``. Produces how many attention
+is left alone, and so is one given rotary rows already. The call's arguments are read and set by
+the op's schema names (:func:`~offgraph_export.passes.graph_utils.op_arguments`), however the call
+passes them. Run it on the decode method before ``functionalize``. Produces how many attention
 calls took their rotary embedding.
 """
 
@@ -28,7 +30,8 @@ import torch
 from torch.export import ExportedProgram
 
 from offgraph_export.passes.graph_utils import (
-    binary_operands, drop_dead, is_call, no_write_between, only_user, tensor_value, users,
+    binary_operands, drop_dead, is_call, no_write_between, only_user, op_arguments, replace_op_arguments,
+    tensor_value, users,
 )
 from offgraph_export.passes.result import PassResult
 
@@ -89,26 +92,28 @@ def _match_rope(r: object) -> Optional[tuple[torch.fx.Node, torch.fx.Node, torch
 def decode_rope(ep: ExportedProgram) -> PassResult[int]:
     """Fold the rotary embedding into each one-token attention call of ``ep`` (in place); see the
     module docstring."""
-    import offgraph_export.lowering.triton_attend  # noqa: F401  (defines the op)
+    import offgraph_export.kernels.triton_attend  # noqa: F401  (defines the op)
 
     attend = torch.ops.offgraph_lowered.triton_update_and_attend.default
     graph = ep.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     folded = 0
     for node in list(graph.nodes):
-        if not is_call(node, attend) or len(node.args) != 9 or node.kwargs:
+        if not is_call(node, attend):
             continue
-        q_val = tensor_value(node.args[0])
+        args = op_arguments(node)
+        if args.get("rope_cos") is not None or args.get("rope_sin") is not None:
+            continue  # it takes rotary rows already
+        q_val = tensor_value(args["q"])
         if q_val is None or not isinstance(q_val.shape[2], int) or q_val.shape[2] != 1:
             continue
-        q, k = _match_rope(node.args[0]), _match_rope(node.args[1])
+        q, k = _match_rope(args["q"]), _match_rope(args["k"])
         if q is None or k is None or q[1] is not k[1] or q[2] is not k[2]:
             continue
         first = min(q[3] + k[3], key=order.__getitem__)
         if not no_write_between(first, node):
             continue
-        node.args = (q[0], k[0], *node.args[2:])
-        node.kwargs = {"rope_cos": q[1], "rope_sin": q[2]}
+        replace_op_arguments(node, q=q[0], k=k[0], rope_cos=q[1], rope_sin=q[2])
         folded += 1
     if folded:
         drop_dead(graph)

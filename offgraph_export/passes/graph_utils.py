@@ -1,7 +1,9 @@
 """Graph helpers used by several passes and by the pipeline: the user-input placeholders, the
 symbols of their dynamic dims and those symbols' ranges; small node predicates for the passes
 that match patterns (users, single users, writes between two nodes), their dead-code
-elimination, and replacing a node without leaving the graph signature behind."""
+elimination, and replacing a node without leaving the graph signature behind; an op call's
+arguments read and replaced by its schema's names (a call may pass any of them by position or by
+keyword, so no pass counts positions)."""
 
 from __future__ import annotations
 
@@ -21,8 +23,10 @@ __all__ = [
     "drop_dead",
     "is_call",
     "no_write_between",
+    "op_arguments",
     "only_user",
     "replace_node",
+    "replace_op_arguments",
     "tensor_value",
     "users",
     "user_input_nodes",
@@ -52,10 +56,11 @@ def symbol_range(ep: ExportedProgram, expr: object) -> tuple[int, int | None]:
     return int(rng.lower), (int(rng.upper) if rng.upper.is_finite else None)
 
 
-def input_dynamic_shapes(ep: ExportedProgram) -> list[dict[int, object]]:
+def input_dynamic_shapes(ep: ExportedProgram, hints: dict[str, object] | None = None) -> list[dict[int, object]]:
     """``dynamic_shapes`` for the user inputs, rebuilt from the program's own symbols: one hint per
-    symbol, so dims that shared a symbol share a hint again."""
-    hints: dict[str, object] = {}
+    symbol, so dims that shared a symbol share a hint again. ``hints``: filled with the hint of
+    each symbol, by name (for new inputs that share one)."""
+    hints = {} if hints is None else hints
     shapes = []
     for node in user_input_nodes(ep):
         value = node.meta.get("val")
@@ -136,6 +141,41 @@ def binary_operands(node: object, target: object) -> Optional[tuple[object, obje
     if not is_call(node, target) or len(node.args) != 2 or node.kwargs:
         return None
     return node.args[0], node.args[1]
+
+
+def _schema_names(node: torch.fx.Node) -> list[str]:
+    """The argument names of the op ``node`` calls, in the schema's order."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        raise ExportError(f"node {node.name} ({target}) is not a call of an op with a schema")
+    return [a.name for a in target._schema.arguments]
+
+
+def op_arguments(node: torch.fx.Node) -> dict[str, object]:
+    """The arguments of ``node``, a call of an op (``OpOverload``), by the schema's names: those
+    passed by position matched to the schema in order, those passed by keyword as given. An
+    argument left at its default is absent."""
+    values: dict[str, object] = dict(zip(_schema_names(node), node.args))
+    values.update(node.kwargs)
+    return values
+
+
+def replace_op_arguments(node: torch.fx.Node, **values: object) -> None:
+    """Give the op call ``node`` these arguments, by the schema's names: each where the call
+    passes it (by position or by keyword), one it leaves at its default by keyword."""
+    names = _schema_names(node)
+    args, kwargs = list(node.args), dict(node.kwargs)
+    for name, value in values.items():
+        if name not in names:
+            raise ExportError(
+                f"node {node.name} ({node.target}) has no argument {name!r}; its schema names {names}"
+            )
+        index = names.index(name)
+        if index < len(args):
+            args[index] = value
+        else:
+            kwargs[name] = value
+    node.args, node.kwargs = tuple(args), kwargs
 
 
 def _writes(node: torch.fx.Node) -> bool:

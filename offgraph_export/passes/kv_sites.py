@@ -13,6 +13,7 @@ from torch import fx
 
 from offgraph_export.errors import ExportError
 from offgraph_export.ops import NEUTRAL_OP_NAMES
+from offgraph_export.passes.graph_utils import op_arguments
 
 __all__ = ["KvSite", "find_kv_sites", "is_neutral_op", "same_size"]
 
@@ -59,9 +60,7 @@ def find_kv_sites(graph: fx.Graph) -> list[KvSite]:
     for node in graph.nodes:
         if not is_neutral_op(node):
             continue
-        schema_args = node.target._schema.arguments
-        values = dict(zip((a.name for a in schema_args), node.args))
-        values.update(node.kwargs)
+        values = op_arguments(node)
         missing = [n for n in _ARG_NAMES if n not in values]
         if missing:
             raise ExportError(

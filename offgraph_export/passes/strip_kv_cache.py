@@ -19,11 +19,11 @@ from torch.export import Dim, ExportedProgram
 
 from offgraph_export.compat import dynamic_dim
 from offgraph_export.errors import ExportError
-from offgraph_export.lowering.step_impls import StepImpl, resolve_step_impl
+from offgraph_export.kernels.step_impls import StepImpl, resolve_step_impl
 from offgraph_export.passes.graph_utils import input_dynamic_shapes
 from offgraph_export.passes.kv_sites import KvSite, find_kv_sites, same_size
 from offgraph_export.passes.result import PassResult
-from offgraph_export.specs.manifest import CacheManifest, LayerManifest
+from offgraph_export.specs.manifest import BATCH_INPUTS, CacheManifest, LayerManifest, PagingManifest
 
 __all__ = ["strip_kv_cache"]
 
@@ -39,12 +39,13 @@ class _LayerStep:
     def __call__(self, q, k, v, position, layer_id, scale, out_dtype):
         k_store, v_store = self.owner.bound[self.layer.layer_id]
         return self.owner.impl(
-            q, k, v, position, k_store, v_store, self.layer.window, float(scale), out_dtype
+            q, k, v, position, k_store, v_store, *self.owner.batch, self.layer.window, float(scale), out_dtype
         )
 
 
 class _StrippedModule(torch.nn.Module):
-    """``forward(*model_inputs, *storage)``: the original program with storage bound per layer."""
+    """``forward(*model_inputs, *storage[, *batch_inputs])``: the original program with storage
+    bound per layer (and, paged, the four batch inputs handed to every layer's step)."""
 
     def __init__(
         self, inner: torch.nn.Module, manifest: CacheManifest, n_inputs: int, impl: StepImpl
@@ -55,6 +56,7 @@ class _StrippedModule(torch.nn.Module):
         self.n_inputs = n_inputs
         self.impl = impl
         self.bound: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.batch: tuple[torch.Tensor, ...] = ()
 
     @classmethod
     def named(cls, names: Sequence[str]) -> type["_StrippedModule"]:
@@ -70,15 +72,17 @@ class _StrippedModule(torch.nn.Module):
         return type("StrippedProgram", (cls,), {"forward": forward})
 
     def forward(self, *args: torch.Tensor):
-        by_index = {s.index: arg for s, arg in zip(self.manifest.storage_inputs(), args[self.n_inputs :])}
+        storage = self.manifest.storage_inputs()
+        by_index = {s.index: arg for s, arg in zip(storage, args[self.n_inputs :])}
         self.bound = {
             layer.layer_id: (by_index[layer.k.index], by_index[layer.v.index])
             for layer in self.manifest.layers
         }
+        self.batch = tuple(args[self.n_inputs + len(storage) :])
         try:
             return self.inner(*args[: self.n_inputs])
         finally:
-            self.bound = {}
+            self.bound, self.batch = {}, ()
 
 
 def _check_manifest_matches_sites(sites: list[KvSite], manifest: CacheManifest) -> None:
@@ -120,6 +124,36 @@ def _example_capacity(manifest: CacheManifest, taken: set[int]) -> int:
     return cap
 
 
+def _example_pages(paging: PagingManifest, taken: set[int]) -> int:
+    """An example pool size distinct from every other example extent (as :func:`_example_capacity`)."""
+    pages = 2
+    while pages in taken:
+        pages += 1
+    if pages > paging.max_pool_pages:
+        raise ExportError(f"cannot pick an example pool of at most {paging.max_pool_pages} pages distinct from {sorted(taken)}")
+    return pages
+
+
+def _example_batch(
+    paging: PagingManifest | None, sites: list[KvSite], hints: dict[str, object], device: torch.device
+) -> tuple[list[torch.Tensor], list[dict[int, object]]]:
+    """Example batch inputs (every token a padding token: slot 0, page 0) and their dynamic
+    shapes: the per-token inputs share the token width's hint."""
+    if paging is None:
+        return [], []
+    width = sites[0].val("k").shape[2]
+    if not isinstance(width, torch.SymInt) or str(width.node.expr) not in hints:
+        raise ExportError("a batched program needs the token width to be a dynamic dim of the model's inputs")
+    hint = hints[str(width.node.expr)]
+    t = int(width.node.hint) if width.node.hint is not None else 2
+    args, shapes = [], []
+    for name in BATCH_INPUTS:
+        shape = paging.input_shape(name, t)
+        args.append(torch.zeros(shape, dtype=torch.int32, device=device))
+        shapes.append({0: hint} if name in ("token_slots", "token_rows") else {})
+    return args, shapes
+
+
 def strip_kv_cache(
     ep: ExportedProgram,
     manifest: CacheManifest,
@@ -128,8 +162,9 @@ def strip_kv_cache(
 ) -> PassResult[list[int]]:
     """Return a new program: the model's inputs then the manifest's storage inputs, with every
     neutral op replaced by in-place row writes and attention over valid rows (``impl``, see
-    :mod:`offgraph_export.lowering.step_impls`). Produces the ids of the layers it stripped."""
-    step = resolve_step_impl(impl)
+    :mod:`offgraph_export.kernels.step_impls`). Produces the ids of the layers it stripped."""
+    paging = manifest.paging
+    step = resolve_step_impl(impl, paged=paging is not None)
     names = list(ep.graph_signature.user_inputs)
     if len(example_inputs) != len(names):
         raise ExportError(
@@ -139,14 +174,15 @@ def strip_kv_cache(
     gm = ep.module()
     sites = find_kv_sites(gm.graph)
     _check_manifest_matches_sites(sites, manifest)
-    all_names = [*names, *(s.name for s in manifest.storage_inputs())]
+    batch_names = [i.name for i in paging.inputs] if paging is not None else []
+    all_names = [*names, *(s.name for s in manifest.storage_inputs()), *batch_names]
     stripped = _StrippedModule.named(all_names)(gm, manifest, len(names), step)
     for site in sites:
         site.node.target = _LayerStep(stripped, manifest.layer(site.layer_id))  # type: ignore[arg-type]
     gm.recompile()
 
     taken = {int(s) for x in example_inputs for s in x.shape}
-    capacity = _example_capacity(manifest, taken)
+    capacity = _example_capacity(manifest, taken) if paging is None else _example_pages(paging, taken)
     dtype = getattr(torch, manifest.storage_dtype)
     device = example_inputs[0].device
     storage = manifest.storage_inputs()
@@ -154,18 +190,22 @@ def strip_kv_cache(
         torch.zeros(manifest.storage_shape(s, capacity), dtype=dtype, device=device) for s in storage
     ]
     flat = [manifest.owner(s)[0].window is None for s in storage]
-    input_shapes = input_dynamic_shapes(ep)
+    hints: dict[str, object] = {}
+    input_shapes = input_dynamic_shapes(ep, hints)
+    batch_args, batch_shapes = _example_batch(paging, sites, hints, device)
+    rows_dim = 2 if paging is None else 0  # the flat storage's growing dim: rows, or pages
 
     def trace(capacity_dim: Callable[[], object]) -> ExportedProgram:
-        storage_shapes = [{2: capacity_dim()} if f else {} for f in flat]
+        storage_shapes = [{rows_dim: capacity_dim()} if f else {} for f in flat]
         return torch.export.export(
             stripped,
-            (*example_inputs, *storage_args),
-            dynamic_shapes=(*input_shapes, *storage_shapes),
+            (*example_inputs, *storage_args, *batch_args),
+            dynamic_shapes=(*input_shapes, *storage_shapes, *batch_shapes),
             strict=False,
         )
 
-    shared = Dim("capacity", min=2, max=manifest.max_capacity)
+    top = manifest.max_capacity if paging is None else paging.max_pool_pages
+    shared = Dim("capacity" if paging is None else "pages", min=2, max=top)
     try:
         try:
             # One named dimension shared by every flat layer: they grow together.
@@ -175,7 +215,7 @@ def strip_kv_cache(
                 raise
             # The strict solver cannot prove some guards over a named range (see
             # compat.dynamic_dim); fall back to one range hint per flat storage input.
-            new_ep = trace(lambda: dynamic_dim(2, manifest.max_capacity))
+            new_ep = trace(lambda: dynamic_dim(2, top))
     except Exception as exc:  # export raises many types; re-raise as ours with the cause chained
         raise ExportError(f"re-tracing the stripped program failed: {exc}") from exc
 

@@ -68,7 +68,10 @@ class Artifact:
 
     @classmethod
     def load(cls, path: str | os.PathLike, single_threaded: bool = False) -> "Artifact":
-        """``single_threaded=True`` loads for CUDA graph capture."""
+        """``single_threaded=True`` loads for CUDA graph capture. The archive is checked in full
+        (``read_artifact_specs(verify_crc=True)``: names, the one canonical zip layout, so torch's
+        loader reads the entries that were checked and no others, bounded counts and sizes, every
+        checksum) before torch's loader opens it."""
         path = Path(path)
         specs = read_artifact_specs(path, verify_crc=True)
         if specs.device == "cuda" and not torch.cuda.is_available():
@@ -83,7 +86,9 @@ class Artifact:
         for method in specs.methods:
             cls._cross_check(path, specs, runners[method], method)
         device = _current_device(specs.device)
-        weights = load_method_weights(path, specs.methods, device)
+        # each view sized by the dtype its method was compiled for, before any weight file is read
+        descriptions = {method: runners[method].get_metadata()[CONSTANTS_KEY] for method in specs.methods}
+        weights = load_method_weights(path, specs.methods, device, constants=descriptions)
         for method in specs.methods:
             check_constants(weights[method], runners[method].get_metadata()[CONSTANTS_KEY], method, str(path))
             try:
@@ -123,11 +128,13 @@ class Artifact:
             )
         in_spec, _ = compiled.loader.get_call_spec()  # type: ignore[attr-defined]
         n_inputs = torch.utils._pytree.treespec_loads(in_spec).num_leaves
-        want = len(specs.inputs) + 2 * len(specs.manifest.layers)
+        batch = 0 if specs.manifest.paging is None else len(specs.manifest.paging.inputs)
+        want = len(specs.inputs) + 2 * len(specs.manifest.layers) + batch
         if n_inputs != want:
             raise ArtifactError(
                 f"{path}: compiled program takes {n_inputs} inputs but the specs describe {want} "
-                f"({len(specs.inputs)} model inputs + {2 * len(specs.manifest.layers)} storage)"
+                f"({len(specs.inputs)} model inputs + {2 * len(specs.manifest.layers)} storage"
+                + (f" + {batch} batch inputs)" if batch else ")")
             )
 
     def method_for(self, width: int | None) -> str:

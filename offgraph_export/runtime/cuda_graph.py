@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from offgraph_export.errors import StepRefused
-from offgraph_export.runtime.artifact import Artifact
+from offgraph_export.runtime.program import LoadedProgram
 from offgraph_export.runtime.storage import SessionStorage
 
 __all__ = ["DecodeGraphs"]
@@ -38,14 +38,14 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        artifact: Artifact,
+        artifact: LoadedProgram,
         storage: SessionStorage,
         positions_index: int | None,
         positions_shape: Callable[[int], list[int]],
     ) -> None:
         if artifact.device.type != "cuda":
             raise StepRefused("CUDA graphs need a cuda artifact")
-        if not getattr(artifact, "single_threaded", False):
+        if not artifact.single_threaded:
             raise StepRefused(
                 "CUDA graphs need the artifact loaded for capture: load_artifact(path, single_threaded=True)"
             )
@@ -91,6 +91,14 @@ class DecodeGraphs:
         self.graph = graph
         self.generation = self.storage.generation
         self.captures += 1
+
+    def replay_bare(self) -> None:
+        """Replay the captured step as it stands (its static inputs as the last step left them);
+        the position it holds afterwards is not the session's, so the next step writes it."""
+        assert self.graph is not None
+        self._next_position = None
+        self.graph.replay()
+        self.replays += 1
 
     def run(self, inputs: Sequence[torch.Tensor | None], position: int) -> list[torch.Tensor]:
         """Replay the step at ``position`` (the session's length) on ``inputs``; ``None`` in place of

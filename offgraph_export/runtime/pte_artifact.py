@@ -35,6 +35,8 @@ class PteArtifact:
         self.specs = specs
         self.method = method
         self.n_storage = 2 * len(specs.manifest.layers)
+        #: ExecuTorch's runner is not captured into CUDA graphs
+        self.single_threaded = False
 
     @property
     def device(self) -> torch.device:
@@ -95,4 +97,4 @@ class PteArtifact:
     def new_session(self, **kwargs) -> "Session":  # noqa: F821
         from offgraph_export.runtime.session import Session
 
-        return Session(self, **kwargs)  # type: ignore[arg-type]
+        return Session(self, **kwargs)

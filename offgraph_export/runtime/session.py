@@ -12,25 +12,21 @@ length, are masked by the next step's positions and overwritten by it.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from pydantic import BaseModel
 
-from offgraph_export.errors import CacheOverflowError, OffgraphError, StepFailed, StepRefused
-from offgraph_export.runtime.admission import Admission
-from offgraph_export.runtime.artifact import Artifact
+from offgraph_export.errors import CacheOverflowError, OffgraphError, StepFailed, StepRefused, first_line
+from offgraph_export.runtime.admission import Admission, positions_suppliable
 from offgraph_export.runtime.input_values import InputValues
+from offgraph_export.runtime.program import LoadedProgram
 from offgraph_export.runtime.storage import Allocator, SessionStorage, default_allocator
 from offgraph_export.specs.artifact import DECODE_METHOD
 
-__all__ = ["PreparedStep", "Session", "SessionMetrics"]
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+__all__ = ["Exclusive", "PreparedStep", "Session", "SessionMetrics"]
 
 
 def _dense(x: torch.Tensor) -> torch.Tensor:
@@ -53,6 +49,8 @@ class PreparedStep:
     inputs: list[torch.Tensor]
     length: int
     epoch: tuple[int, int]
+    #: which prepared step this is (a session commits only the step that ran last, successfully)
+    ticket: int = 0
 
 
 class SessionMetrics(BaseModel):
@@ -70,12 +68,30 @@ class SessionMetrics(BaseModel):
 
 
 _SESSION_SERIALS = itertools.count()
+_TICKETS = itertools.count(1)
+
+
+class Exclusive:
+    """One thread at a time in a session's (or a runner's) steps: a second thread is refused at
+    once, not made to wait: two threads stepping one cache is a caller's bug that would interleave
+    their rows."""
+
+    def __init__(self, what: str = "session") -> None:
+        self._lock = threading.Lock()
+        self._what = what
+
+    def __enter__(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            raise StepRefused(f"this {self._what} is being stepped by another thread; it serves one caller at a time")
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
 
 
 class Session:
     def __init__(
         self,
-        artifact: Artifact,
+        artifact: LoadedProgram,
         allocator: Allocator = default_allocator,
         poison: bool = False,
         cuda_graphs: bool = False,
@@ -94,6 +110,12 @@ class Session:
         self._serial = next(_SESSION_SERIALS)
         self._graphs = None
         self._graph_counts = (0, 0)
+        #: a bare graph replay (replay_graph) wrote rows the history may need: steps wait for reset()
+        self._spent = False
+        self._supply_positions = positions_suppliable(self.specs)
+        self._exclusive = Exclusive()
+        #: the ticket of the step that last ran to completion in this epoch (0: none)
+        self._ran = 0
         if cuda_graphs:
             from offgraph_export.runtime.cuda_graph import DecodeGraphs
 
@@ -105,9 +127,16 @@ class Session:
     def prepare(self, inputs: Sequence[torch.Tensor | None]) -> PreparedStep:
         """Admit the step and grow storage for it. Changes nothing on refusal. The positions input
         may be ``None`` (the session supplies them) where ``admission.positions_suppliable``."""
+        with self._exclusive:
+            return self._prepare(inputs)
+
+    def _prepare(self, inputs: Sequence[torch.Tensor | None]) -> PreparedStep:
         if self.closed:
             self._refused += 1
             raise StepRefused("this session is closed; open a new one with artifact.new_session()")
+        if self._spent:
+            self._refused += 1
+            raise StepRefused("this session replayed its graph bare (replay_graph) and its cache no longer holds its history; reset() it")
         try:
             width = self._admit(inputs, self.committed_length)
             graphed = self._graphs is not None and self._graphs.accepts(width)
@@ -123,7 +152,8 @@ class Session:
                 f"could not grow storage to {self.committed_length + width} tokens (cache unchanged): {exc}"
             ) from exc
         return PreparedStep(
-            width, [x if x is None else _dense(x) for x in owned], self.committed_length, self._epoch_key()
+            width, [x if x is None else _dense(x) for x in owned], self.committed_length, self._epoch_key(),
+            next(_TICKETS),
         )
 
     def _epoch_key(self) -> tuple[int, int]:
@@ -146,8 +176,12 @@ class Session:
     def run(self, step: PreparedStep) -> list[torch.Tensor]:
         """Launch the compiled program on prepared storage (no commit). Refused (StepRefused) for a
         step prepared before the session's last commit, reset or close."""
-        self._check_current(step, "run")
-        return self._launch(step)
+        with self._exclusive:
+            self._check_current(step, "run")
+            self._ran = 0  # until it returns: a step that raised is not committable
+            outputs = self._launch(step)
+            self._ran = step.ticket
+            return outputs
 
     def _launch(self, step: PreparedStep) -> list[torch.Tensor]:
         if self._graphs is not None and self._graphs.accepts(step.width):
@@ -155,11 +189,21 @@ class Session:
         return self.artifact.run([*step.inputs, *self.storage.bound()], width=step.width)
 
     def commit(self, step: PreparedStep) -> None:
-        """Advance the session by the step's width (after a successful run)."""
-        self._check_current(step, "commit")
-        self._advance(step)
+        """Advance the session by the step's width: only the step whose run returned last (a
+        step that never ran, raised, or was overwritten by another step's run since is refused:
+        its rows are not the ones storage holds)."""
+        with self._exclusive:
+            self._check_current(step, "commit")
+            if self._ran != step.ticket:
+                self._refused += 1
+                raise StepRefused(
+                    f"cannot commit the step prepared at length {step.length}: it is not the step that last ran "
+                    "to completion (it never ran, it raised, or another step ran since); run it again first"
+                )
+            self._advance(step)
 
     def _advance(self, step: PreparedStep) -> None:
+        self._ran = 0
         self._epoch += 1
         self.committed_length += step.width
         self._steps += 1
@@ -168,17 +212,45 @@ class Session:
 
     def step(self, *inputs: torch.Tensor | None) -> list[torch.Tensor]:
         """prepare -> run -> commit. Returns the program's outputs."""
-        prepared = self.prepare(inputs)  # current by construction: run and commit need no check
+        with self._exclusive:
+            return self._step(inputs)
+
+    def _step(self, inputs: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+        prepared = self._prepare(inputs)  # current by construction: run and commit need no check
         try:
             outputs = self._launch(prepared)
         except Exception as exc:  # the compiled program's C++ errors surface as RuntimeError
             self._failed += 1
             raise StepFailed(
                 f"compiled step of {prepared.width} tokens at length {self.committed_length} failed; "
-                f"the cache was not advanced: {_first_line(exc)}"
+                f"the cache was not advanced: {first_line(exc)}"
             ) from exc
         self._advance(prepared)
         return outputs
+
+    def feed(
+        self, make_inputs: Callable[[torch.Tensor, int], Sequence[torch.Tensor]], tokens: torch.Tensor
+    ) -> list[torch.Tensor]:
+        """Step ``tokens`` (ids ``[batch, T]``) at the committed length, the runtime supplying the
+        positions: the model inputs are ``make_inputs(tokens, committed_length)`` (a bundle's
+        input builder) with the positions input left to the session wherever it can supply it
+        (``admission.positions_suppliable``; elsewhere the built positions are checked as any
+        step's). The one way to feed tokens: no caller computes or passes positions."""
+        inputs = list(make_inputs(tokens, self.committed_length))
+        if self._supply_positions:
+            inputs[self.specs.positions_input] = None  # type: ignore[index]
+        return self.step(*inputs)
+
+    def replay_graph(self) -> None:
+        """Replay the captured decode step as it stands, with no input copies and no runtime
+        work before it: what a benchmark times to see the runtime's host work per step (a full
+        step minus this). It writes rows past the committed length, ring rows the history still
+        needs among them, so afterwards the session refuses steps until :meth:`reset`."""
+        graphs = self._graphs
+        if self.closed or graphs is None or graphs.graph is None:
+            raise StepRefused("no captured decode graph: open the session with cuda_graphs=True and run a one-token step first")
+        self._spent = True
+        graphs.replay_bare()
 
     # -- lifecycle ------------------------------------------------------------------------------
     def reserve(self, tokens: int) -> bool:
@@ -200,14 +272,23 @@ class Session:
 
     def reset(self) -> None:
         """Forget the history; storage (and its capacity) is kept for reuse."""
+        with self._exclusive:
+            self._reset()
+
+    def _reset(self) -> None:
         if self.closed:
             raise StepRefused("this session is closed; open a new one with artifact.new_session()")
         self._epoch += 1
         self.committed_length = 0
+        self._spent = False
         if self.storage.poison:
             self.storage.poison_from(0)
 
     def close(self) -> None:
+        with self._exclusive:
+            self._close()
+
+    def _close(self) -> None:
         self._epoch += 1
         self.closed = True
         self.storage.release()

@@ -18,7 +18,7 @@ import torch
 from offgraph_export.errors import CacheOverflowError, OffgraphError
 from offgraph_export.specs.manifest import CacheManifest, StorageInput, Which
 
-__all__ = ["Allocator", "default_allocator", "SessionStorage", "grown_capacity"]
+__all__ = ["Allocator", "default_allocator", "SessionStorage", "grown_capacity", "check_disjoint"]
 
 Allocator = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
 
@@ -30,6 +30,22 @@ def default_allocator(shape: tuple[int, ...], dtype: torch.dtype, device: torch.
 def grown_capacity(current: int, required: int, maximum: int) -> int:
     """The growth rule: ``min(max, max(required, 2 x current))``."""
     return min(maximum, max(required, 2 * current))
+
+
+def check_disjoint(tensors: list[torch.Tensor]) -> None:
+    """Refuse storage tensors whose memory overlaps (an allocator that hands out one buffer twice,
+    or views of one): the program writes every storage input in place, so one layer's rows would
+    overwrite another's."""
+    spans = sorted(
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i)
+        for i, t in enumerate(tensors) if t.numel()
+    )
+    for (_, end, i), (start, _, j) in zip(spans, spans[1:]):
+        if start < end:
+            raise OffgraphError(
+                f"allocator returned overlapping storage: tensors {min(i, j)} and {max(i, j)} share memory "
+                "(each storage input needs memory of its own)"
+            )
 
 
 class SessionStorage:
@@ -62,6 +78,7 @@ class SessionStorage:
             key: self._allocate(s, self.capacity) for key, s in zip(self._keys, self._inputs)
         }
         self._bound = [self.tensors[key] for key in self._keys]
+        check_disjoint(self._bound)
 
     def _key(self, storage: StorageInput) -> tuple[int, Which]:
         layer, which = self.manifest.owner(storage)
@@ -125,6 +142,7 @@ class SessionStorage:
             new = self._allocate(storage, new_capacity)
             new[:, :, :committed_length].copy_(self.tensors[key][:, :, :committed_length])
             staged[key] = new
+        check_disjoint([staged.get(key, self.tensors[key]) for key in self._keys])
         self.tensors.update(staged)
         self._bound = [self.tensors[key] for key in self._keys]
         self.capacity = new_capacity

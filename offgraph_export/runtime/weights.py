@@ -7,9 +7,15 @@ to ``[file, shape, stride, storage offset]``. Both are untrusted input: a config
 that form within the size limits, name only weight files that exist in the archive, and describe
 views that lie inside the loaded tensor (their dtype, shape and strides are then compared with what
 the program was compiled for, ``specs/constants.py``); the files are read with ``torch.load(weights_only=True)``
-(tensors only, no code) straight onto the artifact's device. Each method then receives its views
-with ``user_managed`` set, so the compiled code reads these tensors in place and the weights occupy
-device memory once however many methods the package holds.
+(tensors only, no code) straight onto the artifact's device. Nothing is read unbounded: the archive
+passes :func:`~offgraph_export.specs.archive.check_archive` (its one canonical layout and the
+limits on counts and sizes) first, a weight file larger than the bytes its views take (their extent
+times the element size of the dtype the program was compiled for, plus
+:data:`~offgraph_export.specs.limits.MAX_TENSOR_FILE_OVERHEAD`) is refused before it is read, and
+the tensor file, itself a zip archive that torch's reader inflates record by record, must pass the
+same layout check with its records declaring no more than that bound before ``torch.load`` sees it.
+Each method then receives its views with ``user_managed`` set, so the compiled code reads these
+tensors in place and the weights occupy device memory once however many methods the package holds.
 """
 
 from __future__ import annotations
@@ -17,14 +23,23 @@ from __future__ import annotations
 import io
 import os
 import zipfile
+from collections.abc import Mapping
 from typing import Annotated
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError
 
 from offgraph_export.errors import ArtifactError
-from offgraph_export.specs.archive import AOTI_DIR, UNREADABLE_MEMBER, WEIGHT_FILE, WEIGHTS_DIR, archive_root
-from offgraph_export.specs.limits import MAX_JSON_BYTES, loads_limited
+from offgraph_export.specs.archive import (
+    AOTI_DIR,
+    UNREADABLE_MEMBER,
+    WEIGHT_FILE,
+    WEIGHTS_DIR,
+    archive_root,
+    check_archive,
+    check_layout,
+)
+from offgraph_export.specs.limits import MAX_JSON_BYTES, MAX_TENSOR_FILE_OVERHEAD, loads_limited
 
 __all__ = [
     "WeightView",
@@ -83,11 +98,73 @@ def _read_config(archive: zipfile.ZipFile, entry: str, source: str) -> dict[str,
     return views
 
 
+#: The element size a view is sized with when the program's dtype for it is not known (the widest,
+#: complex128): a constant the program was not compiled for is refused after loading, by name.
+_WIDEST_ELEMENT = 16
+
+
+def _element_sizes(description: str | None, method: str, source: str) -> dict[str, int]:
+    """Element size by constant name, from ``method``'s compiled constants description
+    (``specs/constants.py``: ``{name: [dtype, shape, stride]}``); entries it cannot read are left
+    out (:func:`~offgraph_export.specs.constants.check_constants` refuses them by name later)."""
+    if description is None:
+        return {}
+    data = loads_limited(description, f"{source}: method {method!r} constants", ArtifactError)
+    sizes = {}
+    for name, want in data.items() if isinstance(data, dict) else ():
+        dtype = getattr(torch, want[0], None) if isinstance(want, list) and want and isinstance(want[0], str) else None
+        if isinstance(dtype, torch.dtype):
+            sizes[name] = dtype.itemsize
+    return sizes
+
+
+def _needed_bytes(
+    configs: dict[str, dict[str, WeightView]], constants: Mapping[str, str] | None, source: str
+) -> dict[str, int]:
+    """Per weight file, the bytes the views that the configs take from it reach: the largest
+    extent times its element size."""
+    needed: dict[str, int] = {}
+    for method, views in configs.items():
+        sizes = _element_sizes(None if constants is None else constants.get(method), method, source)
+        for name, view in views.items():
+            reach = view.extent() * sizes.get(name, _WIDEST_ELEMENT)
+            needed[view.file] = max(needed.get(view.file, 0), reach)
+    return needed
+
+
+def _check_tensor_file_size(archive: zipfile.ZipFile, entry: str, needed: int, source: str) -> int:
+    """The most weight file ``entry`` may hold (``needed`` plus a tensor file's own overhead),
+    once the size its record declares is within it."""
+    bound = needed + MAX_TENSOR_FILE_OVERHEAD
+    declared = archive.getinfo(entry).file_size
+    if declared > bound:
+        raise ArtifactError(
+            f"{source}: {entry} is {declared} bytes; the views the weights configs take from it reach "
+            f"{needed} bytes, so its file holds at most {bound}"
+        )
+    return bound
+
+
+def _read_tensor_file(archive: zipfile.ZipFile, entry: str, bound: int, source: str) -> bytes:
+    """The bytes of weight file ``entry``, a zip archive itself, once it is in the one canonical
+    layout with its records declaring no more than ``bound`` (torch's reader allocates and inflates
+    each record as declared)."""
+    data = archive.read(entry)
+    check_layout(io.BytesIO(data), f"{source}: {entry}", kind="tensor file", max_total=bound)
+    return data
+
+
 def load_method_weights(
-    path: str | os.PathLike, methods: list[str], device: torch.device
+    path: str | os.PathLike,
+    methods: list[str],
+    device: torch.device,
+    constants: Mapping[str, str] | None = None,
 ) -> dict[str, dict[str, torch.Tensor]]:
-    """Each method's constants by name, as views of tensors loaded once onto ``device``."""
+    """Each method's constants by name, as views of tensors loaded once onto ``device``.
+    ``constants``: each method's compiled constants description (its ``offgraph_constants``
+    metadata), which sizes each view by its dtype; without it views are sized by the widest."""
     source = str(path)
+    check_archive(path, verify_crc=False)
     try:
         with zipfile.ZipFile(path) as archive:
             names = archive.namelist()
@@ -101,18 +178,24 @@ def load_method_weights(
                         "with this version of offgraph-export"
                     )
                 configs[method] = _read_config(archive, entry, source)
+            bounds: dict[str, int] = {}  # every file named and sized before any is read
+            for file, needed in _needed_bytes(configs, constants, source).items():
+                entry = f"{root}{WEIGHTS_DIR}{file}"
+                if entry not in names:
+                    raise ArtifactError(f"{source}: a weights config names {file!r}, which the archive lacks")
+                bounds[file] = _check_tensor_file_size(archive, entry, needed, source)
             files: dict[str, torch.Tensor] = {}
             for views in configs.values():
                 for view in views.values():
                     if view.file in files:
                         continue
                     entry = f"{root}{WEIGHTS_DIR}{view.file}"
-                    if entry not in names:
-                        raise ArtifactError(f"{source}: a weights config names {view.file!r}, which the archive lacks")
+                    data = _read_tensor_file(archive, entry, bounds[view.file], source)
                     try:
-                        loaded = torch.load(io.BytesIO(archive.read(entry)), map_location=device, weights_only=True)
+                        loaded = torch.load(io.BytesIO(data), map_location=device, weights_only=True)
                     except Exception as exc:  # a bad pickle raises UnpicklingError, others
                         raise ArtifactError(f"{source}: {entry} is not a readable tensor file: {exc}") from exc
+                    del data
                     if not isinstance(loaded, torch.Tensor):
                         raise ArtifactError(f"{source}: {entry} holds a {type(loaded).__name__}, not a tensor")
                     files[view.file] = loaded

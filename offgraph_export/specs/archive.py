@@ -13,6 +13,31 @@ files' names; neither torch's writer nor this project writes one, and this proje
 so one only adds a name that the checks here and torch's loader could read differently. Its
 extractor (miniz) takes an entry with the MS-DOS directory attribute for a folder whatever its name:
 a ``.so`` so marked would pass here as the method's library, and torch fails to extract it.
+
+**One canonical layout.** The checks above read the archive with Python's ``zipfile``; torch's
+loader reads it with its own zip reader (miniz), and two readers of one file agree only where the
+file leaves nothing to interpret: ``zipfile`` takes the zip64 end record found just before the
+locator where miniz follows the locator's offset, shifts every offset when bytes precede the
+archive, stops at the directory's byte size where miniz counts entries, and ignores bytes after the
+end record. So :func:`check_layout` parses the bytes itself (``struct``, not ``zipfile``) and refuses
+any archive that is not laid out as torch's writer and Python's ``zipfile`` lay one out: one end
+record, the file's last 22 bytes (no comment, nothing after it; a zip64 end record and locator right
+before it, the locator naming that record, and the 32-bit fields holding each value or, when it
+does not fit, the 0xFFFF.. marker), the central directory right before them and exactly filled by
+its records, and the entries back to back from offset 0 up to the directory, in its order, with no
+gap, overlap or unreferenced byte. Each directory record must match its local header (name,
+flags, method, CRC and sizes, read from the header, its zip64 field or the data descriptor that
+follows the data) and carry no comment and no extra field but a zip64 one holding exactly the
+values its header marks; a local header may carry a zip64 field and torch's alignment field
+(``"FB"``: ``"Z"`` padding that starts the data at a multiple of 64 bytes, as ``PyTorchFileWriter``
+writes it), nothing else. What ``zipfile`` reads then is what the loader reads:
+:func:`check_archive` also compares the two readings entry by entry.
+
+**Bounded reads.** The entry count and the directory's size are checked from the end record before
+the directory is read; each member's declared size, its ratio to the bytes it stores and the total
+before any member is read (:mod:`~offgraph_export.specs.limits`); and the CRC verification streams
+each member in chunks from the offsets checked here, inflating a deflated one no further than one
+chunk past its declared size.
 """
 
 from __future__ import annotations
@@ -21,12 +46,23 @@ import os
 import posixpath
 import re
 import stat
+import struct
 import zipfile
 import zlib
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from offgraph_export.errors import ArtifactError
+from offgraph_export.specs.limits import (
+    MAX_ARCHIVE_BYTES,
+    MAX_ARCHIVE_MEMBERS,
+    MAX_CENTRAL_DIRECTORY_BYTES,
+    MAX_COMPRESSION_RATIO,
+    MAX_ENTRY_NAME_BYTES,
+    MAX_MEMBER_BYTES,
+)
 
 __all__ = [
     "ROOT_MARKER",
@@ -38,6 +74,9 @@ __all__ = [
     "archive_root",
     "regular_file",
     "check_pt2_layout",
+    "check_layout",
+    "ArchiveMember",
+    "ALIGNMENT",
     "UNREADABLE_MEMBER",
 ]
 
@@ -125,45 +164,459 @@ def regular_file(path: str | os.PathLike) -> Path:
 UNREADABLE_MEMBER = (zipfile.BadZipFile, zlib.error, NotImplementedError, EOFError, RuntimeError, ValueError)
 
 
+# -- the canonical layout (see the module docstring) ---------------------------------------------
+
+#: The data alignment of torch's writer (``PyTorchFileWriter``'s ``storage_alignment``, 64 unless
+#: told otherwise; the packager and ``torch.save`` keep it).
+ALIGNMENT = 64
+
+_LOCAL = struct.Struct("<4sHHHHHIIIHH")  # local file header, 30 bytes
+_CENTRAL = struct.Struct("<4sHHHHHHIIIHHHHHII")  # central directory record, 46 bytes
+_END = struct.Struct("<4sHHHHIIH")  # end of central directory record, 22 bytes
+_LOCATOR = struct.Struct("<4sIQI")  # zip64 end record locator, 20 bytes
+_END64 = struct.Struct("<4sQHHIIQQQQ")  # zip64 end of central directory record, 56 bytes
+_LOCAL_SIG, _CENTRAL_SIG, _END_SIG = b"PK\x03\x04", b"PK\x01\x02", b"PK\x05\x06"
+_LOCATOR_SIG, _END64_SIG, _DESCRIPTOR_SIG = b"PK\x06\x07", b"PK\x06\x06", b"PK\x07\x08"
+_ZIP64_FIELD = 0x0001
+_PADDING_FIELD = 0x4246  # "FB", PyTorchFileWriter's alignment padding
+_FIELD_NAMES = {_ZIP64_FIELD: "a zip64 field (0x0001)", _PADDING_FIELD: "torch's padding field (0x4246)"}
+_U16, _U32 = 0xFFFF, 0xFFFFFFFF
+_STORED, _DEFLATED = zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED
+_DATA_DESCRIPTOR = 0x0008  # general purpose flag: CRC and sizes follow the data
+_UTF8 = 0x0800  # general purpose flag: the name is UTF-8
+_FLAG_NAMES = {0x0001: "encrypted", 0x0040: "strongly encrypted", 0x2000: "masked directory"}
+
+
+class _Refused(Exception):
+    """What is wrong with one entry, said after its name (``archive entry 'x' <message>``)."""
+
+
+@dataclass(frozen=True)
+class ArchiveMember:
+    """One entry of an archive as :func:`check_layout` read it: where its data lies and what the
+    directory declares for it."""
+
+    name: str
+    header_offset: int
+    data_offset: int
+    compressed_size: int
+    size: int
+    crc: int
+    method: int
+
+
+def _read_at(file: BinaryIO, offset: int, n: int) -> bytes:
+    file.seek(offset)
+    data = file.read(n)
+    if len(data) != n:  # the file shrank under us
+        raise EOFError(f"{n} bytes at offset {offset} are past the file's end")
+    return data
+
+
+@dataclass(frozen=True)
+class _End:
+    count: int
+    directory_offset: int
+    directory_size: int
+
+
+def _read_end(file: BinaryIO, size: int, source: str, kind: str) -> _End:
+    """The end records: the file's last 22 bytes, and a zip64 record and locator right before them
+    when the locator's signature is there (as both readers decide). Bounds the entry count and
+    the directory's size before anything reads the directory."""
+    if size < _END.size:
+        raise ArtifactError(f"{source} is not a readable {kind}: it is {size} bytes, shorter than a zip end record")
+    sig, disk, directory_disk, on_disk, count, directory_size, directory_offset, comment = _END.unpack(
+        _read_at(file, size - _END.size, _END.size)
+    )
+    if sig != _END_SIG:
+        window = min(size, _END.size + _U16)
+        found = _read_at(file, size - window, window).rfind(_END_SIG)
+        if found < 0:
+            raise ArtifactError(f"{source} is not a readable {kind}: it does not end with a zip end record")
+        at = size - window + found
+        raise ArtifactError(
+            f"{source} is not a readable {kind}: {size - at - _END.size} bytes (an archive comment or appended "
+            f"data) follow its last zip end record, at offset {at}; a package ends with its end record"
+        )
+    if comment:
+        raise ArtifactError(
+            f"{source}: its zip end record declares a {comment}-byte comment the file does not hold; a package "
+            "has no archive comment"
+        )
+    if disk or directory_disk or on_disk != count:
+        raise ArtifactError(f"{source}: its zip end record describes an archive of several disks; refusing to load it")
+    directory_end = size - _END.size
+    if size >= _END.size + _LOCATOR.size + _END64.size and (
+        _read_at(file, size - _END.size - _LOCATOR.size, 4) == _LOCATOR_SIG
+    ):
+        _, record_disk, record_offset, disks = _LOCATOR.unpack(
+            _read_at(file, size - _END.size - _LOCATOR.size, _LOCATOR.size)
+        )
+        directory_end = size - _END.size - _LOCATOR.size - _END64.size
+        if record_disk or disks != 1 or record_offset != directory_end:
+            # zipfile reads the record right before the locator, miniz the one the locator names
+            raise ArtifactError(
+                f"{source}: its zip64 locator names a zip64 end record at offset {record_offset} (disk "
+                f"{record_disk} of {disks}); the record lies right before the locator, at {directory_end}"
+            )
+        sig64, record_size, _, _, disk64, directory_disk64, on_disk64, count64, size64, offset64 = _END64.unpack(
+            _read_at(file, directory_end, _END64.size)
+        )
+        if sig64 != _END64_SIG or record_size != _END64.size - 12:
+            raise ArtifactError(
+                f"{source}: the 56 bytes its zip64 locator names are not a plain zip64 end record "
+                f"(signature {sig64!r}, record size {record_size}; expected {_END64_SIG!r} and 44)"
+            )
+        if disk64 or directory_disk64 or on_disk64 != count64:
+            raise ArtifactError(f"{source}: its zip64 end record describes an archive of several disks; refusing to load it")
+        # both writers put each value in the 32-bit field, or its marker when it does not fit
+        for what, short, full, marker in (
+            ("entry count", count, count64, _U16),
+            ("directory size", directory_size, size64, _U32),
+            ("directory offset", directory_offset, offset64, _U32),
+        ):
+            if short != min(full, marker):
+                raise ArtifactError(
+                    f"{source}: its zip end record gives the {what} as {short} and its zip64 record as {full}; "
+                    f"expected {min(full, marker)} in the end record"
+                )
+        count, directory_size, directory_offset = count64, size64, offset64
+    if count > MAX_ARCHIVE_MEMBERS:
+        raise ArtifactError(
+            f"{source}: the archive holds {count} entries; a package holds at most {MAX_ARCHIVE_MEMBERS}"
+        )
+    if directory_size > MAX_CENTRAL_DIRECTORY_BYTES:
+        raise ArtifactError(
+            f"{source}: its central directory is {directory_size} bytes; a package's is at most "
+            f"{MAX_CENTRAL_DIRECTORY_BYTES}"
+        )
+    if directory_offset + directory_size != directory_end:
+        # zipfile would shift every offset by the difference; miniz would not
+        raise ArtifactError(
+            f"{source}: its central directory (offset {directory_offset}, {directory_size} bytes) does not end "
+            f"where its end records begin (offset {directory_end})"
+        )
+    return _End(count, directory_offset, directory_size)
+
+
+def _fields(extra: bytes, where: str, allowed: tuple[int, ...]) -> dict[int, bytes]:
+    """The extra fields of a header by id: each of ``allowed`` at most once, nothing else, and
+    exactly filling ``extra``; ``where`` says which header, in messages."""
+    fields: dict[int, bytes] = {}
+    pos = 0
+    while pos < len(extra):
+        if pos + 4 > len(extra):
+            raise _Refused(f"has extra data {where} that ends inside a field's header")
+        kind, length = struct.unpack_from("<HH", extra, pos)
+        if pos + 4 + length > len(extra):
+            raise _Refused(f"has an extra field 0x{kind:04x} {where} that runs past the extra data")
+        if kind not in allowed:
+            expected = " and ".join(_FIELD_NAMES[a] for a in allowed)
+            raise _Refused(f"has an extra field 0x{kind:04x} {where}; expected only {expected}")
+        if kind in fields:
+            raise _Refused(f"has extra field 0x{kind:04x} twice {where}")
+        fields[kind] = extra[pos + 4 : pos + 4 + length]
+        pos += 4 + length
+    return fields
+
+
+def _zip64_values(field: bytes, where: str) -> list[int]:
+    if len(field) % 8 or not 8 <= len(field) <= 24:
+        raise _Refused(f"has a {len(field)}-byte zip64 field {where}; expected 8, 16 or 24 bytes")
+    return list(struct.unpack(f"<{len(field) // 8}Q", field))
+
+
+def _central_sizes(fields: dict[int, bytes], size: int, compressed: int, offset: int) -> tuple[int, int, int]:
+    """The directory record's sizes and offset, each taken from its zip64 field where the header
+    holds the 0xFFFFFFFF marker, in the order both readers take them, the field holding exactly those."""
+    marked = [v == _U32 for v in (size, compressed, offset)]
+    if _ZIP64_FIELD not in fields:
+        if any(marked):
+            raise _Refused("marks a value as held in a zip64 field but has none")
+        return size, compressed, offset
+    values = _zip64_values(fields[_ZIP64_FIELD], "in its directory record")
+    if len(values) != sum(marked):
+        raise _Refused(
+            f"has {len(values)} values in its directory record's zip64 field where the record marks {sum(marked)}"
+        )
+    it = iter(values)
+    size, compressed, offset = (next(it) if m else v for m, v in zip(marked, (size, compressed, offset)))
+    return size, compressed, offset
+
+
+def _decode_name(raw: bytes, flags: int) -> str:
+    if flags & _UTF8:
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise _Refused("has a name flagged UTF-8 that is not") from None
+    if not raw.isascii():  # zipfile would read it as cp437, torch's reader as raw bytes
+        raise _Refused("has a name that is not ASCII yet lacks the UTF-8 flag")
+    return raw.decode("ascii")
+
+
+def _read_entries(file: BinaryIO, end: _End, source: str, max_total: int) -> list[ArchiveMember]:
+    """Every directory record, matched with its local header, the entries back to back (see the
+    module docstring); sizes, ratios and the total bounded before any data is read."""
+    directory = _read_at(file, end.directory_offset, end.directory_size)
+    members: list[ArchiveMember] = []
+    pos = cursor = total = 0
+    for index in range(end.count):
+        if pos + _CENTRAL.size > len(directory) or directory[pos : pos + 4] != _CENTRAL_SIG:
+            raise ArtifactError(
+                f"{source}: its central directory holds no record {index} at byte {pos}; the end record "
+                f"counts {end.count}"
+            )
+        (_, _, _, flags, method, _, _, crc, compressed, size, name_len, extra_len, comment_len, disk, _, _,
+         offset) = _CENTRAL.unpack_from(directory, pos)
+        record_end = pos + _CENTRAL.size + name_len + extra_len + comment_len
+        if record_end > len(directory):
+            raise ArtifactError(f"{source}: central directory record {index} runs past the directory's end")
+        raw = directory[pos + _CENTRAL.size : pos + _CENTRAL.size + name_len]
+        label = f"{source}: archive entry {raw.decode('utf-8', 'replace')!r}"
+        try:
+            name = _decode_name(raw, flags)
+            label = f"{source}: archive entry {name!r}"
+            if not raw or b"\x00" in raw:
+                raise _Refused("has an empty or NUL-containing name")
+            if name_len > MAX_ENTRY_NAME_BYTES:
+                raise _Refused(f"has a {name_len}-byte name; a package's names are at most {MAX_ENTRY_NAME_BYTES}")
+            if comment_len:
+                raise _Refused(f"has a {comment_len}-byte comment; a package's entries have none")
+            fields = _fields(directory[pos + _CENTRAL.size + name_len : record_end - comment_len],
+                             "in its directory record", (_ZIP64_FIELD,))
+            if disk == _U16:
+                raise _Refused("keeps its disk number in a zip64 field; a package is one disk")
+            size, compressed, offset = _central_sizes(fields, size, compressed, offset)
+            if disk:
+                raise _Refused(f"starts on disk {disk}; a package is one disk")
+            odd = flags & ~(_DATA_DESCRIPTOR | _UTF8)
+            if odd:
+                names = [n for bit, n in _FLAG_NAMES.items() if odd & bit] or ["unknown"]
+                raise _Refused(f"has general purpose flags 0x{flags:04x} ({', '.join(names)}); expected only "
+                                 "the data descriptor and UTF-8 flags")
+            if method not in (_STORED, _DEFLATED):
+                raise _Refused(f"uses compression method {method}; expected 0 (stored) or 8 (deflated)")
+            if method == _STORED and compressed != size:
+                raise _Refused(f"is stored, yet declares {size} bytes from {compressed} stored")
+            if size > MAX_MEMBER_BYTES:
+                raise _Refused(f"declares {size} bytes; a member of a package holds at most {MAX_MEMBER_BYTES}")
+            if method == _DEFLATED and size > compressed * MAX_COMPRESSION_RATIO:
+                raise _Refused(
+                    f"declares {size} bytes from {compressed} compressed ({size // max(compressed, 1)}:1); a "
+                    f"member inflates at most {MAX_COMPRESSION_RATIO}:1"
+                )
+            total += size
+            if total > max_total:
+                raise _Refused(
+                    f"brings what the members declare to {total} bytes; an archive holds at most {max_total}"
+                )
+            if offset != cursor:
+                raise _Refused(
+                    f"starts at offset {offset}, where {'the previous entry ends' if index else 'the file begins'} at "
+                    f"{cursor}; entries lie back to back from offset 0, none overlapping, nothing between them"
+                )
+            data_offset, descriptor = _check_local(
+                file, offset, raw, flags, method, crc, compressed, size, end.directory_offset
+            )
+        except ArtifactError:
+            raise
+        except (_Refused, EOFError) as exc:
+            raise ArtifactError(f"{label} {exc}; refusing to load it") from exc
+        cursor = data_offset + compressed + descriptor
+        if cursor > end.directory_offset:
+            raise ArtifactError(f"{label} runs into the central directory (to offset {cursor}); refusing to load it")
+        members.append(ArchiveMember(name, offset, data_offset, compressed, size, crc, method))
+        pos = record_end
+    if pos != end.directory_size:
+        raise ArtifactError(
+            f"{source}: its central directory holds {end.directory_size - pos} bytes after its "
+            f"{end.count} records; refusing to load it"
+        )
+    if cursor != end.directory_offset:
+        raise ArtifactError(
+            f"{source}: {end.directory_offset - cursor} bytes at offset {cursor}, before its central directory, "
+            "belong to no entry; refusing to load it"
+        )
+    return members
+
+
+def _check_local(
+    file: BinaryIO, offset: int, raw: bytes, flags: int, method: int, crc: int, compressed: int, size: int,
+    limit: int,
+) -> tuple[int, int]:
+    """The local header at ``offset`` matches its directory record; ``(data offset, descriptor
+    length)``. Either torch's form (CRC and sizes 0 in the header, a data descriptor after the data,
+    an ``"FB"`` padding field) or ``zipfile``'s (CRC and sizes in the header, or the sizes in its
+    zip64 field behind 0xFFFFFFFF markers)."""
+    (sig, _, local_flags, local_method, _, _, local_crc, local_compressed, local_size, name_len,
+     extra_len) = _LOCAL.unpack(_read_at(file, offset, _LOCAL.size))
+    if sig != _LOCAL_SIG:
+        raise _Refused(f"has no local header at offset {offset}")
+    tail = _read_at(file, offset + _LOCAL.size, name_len + extra_len)
+    if tail[:name_len] != raw:
+        raise _Refused(f"is named {tail[:name_len].decode('utf-8', 'replace')!r} by its local header")
+    if (local_flags, local_method) != (flags, method):
+        raise _Refused(
+            f"has flags 0x{local_flags:04x} and method {local_method} in its local header but 0x{flags:04x} and "
+            f"{method} in the directory"
+        )
+    fields = _fields(tail[name_len:], "in its local header", (_ZIP64_FIELD, _PADDING_FIELD))
+    data_offset = offset + _LOCAL.size + name_len + extra_len
+    if data_offset + compressed > limit:
+        raise _Refused(f"declares {compressed} bytes stored from offset {data_offset}, past the central "
+                         f"directory at {limit}")
+    if _PADDING_FIELD in fields:
+        padding = fields[_PADDING_FIELD]
+        if data_offset % ALIGNMENT or len(padding) >= ALIGNMENT or padding.strip(b"Z"):
+            raise _Refused(
+                f"has {len(padding)} bytes of alignment padding starting its data at offset {data_offset}; torch's "
+                f"writer pads with 'Z' to the next multiple of {ALIGNMENT}"
+            )
+    if _ZIP64_FIELD in fields:  # [size, compressed size] and/or the header's offset, as either writer puts them
+        values = _zip64_values(fields[_ZIP64_FIELD], "in its local header")
+        sizes, rest = (values[:2], values[2:]) if len(values) >= 2 else ([], values)
+        zero_ok = bool(flags & _DATA_DESCRIPTOR)
+        if any(v != want and not (zero_ok and v == 0) for v, want in zip(sizes, (size, compressed))) or any(
+            v != offset for v in rest
+        ):
+            raise _Refused(f"has zip64 values {values} in its local header; the directory gives size {size}, "
+                             f"compressed size {compressed}, offset {offset}")
+    if flags & _DATA_DESCRIPTOR:
+        if (local_crc, local_compressed, local_size) != (0, 0, 0):
+            raise _Refused("has a data descriptor, yet a CRC or sizes in its local header")
+        wide = _ZIP64_FIELD in fields
+        layout = struct.Struct("<4sIQQ" if wide else "<4sIII")
+        got = layout.unpack(_read_at(file, data_offset + compressed, layout.size))
+        if got != (_DESCRIPTOR_SIG, crc, compressed, size):
+            raise _Refused(
+                f"has a data descriptor {got[1:]} (signature {got[0]!r}) after its data; the directory gives "
+                f"CRC {crc}, sizes {compressed} and {size}"
+            )
+        return data_offset, layout.size
+    header = (local_crc, local_compressed, local_size)
+    if header != (crc, compressed, size) and not (
+        local_crc == crc and (local_compressed, local_size) == (_U32, _U32) and _ZIP64_FIELD in fields
+        and len(fields[_ZIP64_FIELD]) >= 16
+    ):
+        raise _Refused(
+            f"has CRC {local_crc} and sizes {local_compressed} and {local_size} in its local header; the directory "
+            f"gives {crc}, {compressed} and {size}"
+        )
+    return data_offset, 0
+
+
+def check_layout(
+    file: BinaryIO, source: str, kind: str = ".pt2 archive", max_total: int = MAX_ARCHIVE_BYTES
+) -> list[ArchiveMember]:
+    """The entries of the zip archive in the open, seekable binary ``file``, once its bytes are
+    found laid out in the one canonical form (module docstring) with its count and sizes within
+    the limits (``max_total``: the most its members may declare together); raise
+    :class:`ArtifactError` naming the entry or value otherwise. Reads the end records, the directory
+    and each local header, no member's data. ``kind`` names what the file should be, in messages."""
+    try:
+        size = file.seek(0, os.SEEK_END)
+        return _read_entries(file, _read_end(file, size, source, kind), source, max_total)
+    except EOFError as exc:
+        raise ArtifactError(f"{source} is not a readable {kind}: {exc}") from exc
+
+
+def _agree(members: list[ArchiveMember], infos: list[zipfile.ZipInfo], source: str) -> None:
+    """``zipfile``'s reading of the archive is this module's, entry by entry."""
+    ours = [(m.name, m.header_offset, m.compressed_size, m.size, m.crc, m.method) for m in members]
+    theirs = [(i.filename, i.header_offset, i.compress_size, i.file_size, i.CRC, i.compress_type) for i in infos]
+    if ours != theirs:
+        at = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+        raise ArtifactError(
+            f"{source}: Python's zipfile reads {len(theirs)} entries and this check {len(ours)}, differing at "
+            f"entry {at}; refusing to load it"
+        )
+
+
+def _verify(file: BinaryIO, member: ArchiveMember, source: str) -> None:
+    """Read ``member``'s data in chunks and compare its CRC-32; a deflated one is inflated at most
+    one chunk past its declared size, so no member costs more than it declares."""
+    label = f"{source}: archive entry {member.name!r}"
+    file.seek(member.data_offset)
+    crc, produced, left = 0, 0, member.compressed_size
+    inflater = zlib.decompressobj(-zlib.MAX_WBITS) if member.method == _DEFLATED else None
+    while inflater is None or not inflater.eof:
+        if inflater is not None and inflater.unconsumed_tail:
+            chunk = inflater.unconsumed_tail
+        elif left:
+            chunk = file.read(min(_CHUNK, left))
+            if not chunk:
+                raise ArtifactError(f"{label} ends {left} bytes early: the file shrank while it was read")
+            left -= len(chunk)
+        elif inflater is None:
+            break
+        else:
+            chunk = b""
+        out = chunk if inflater is None else inflater.decompress(chunk, _CHUNK)
+        produced += len(out)
+        if produced > member.size:
+            raise ArtifactError(f"{label} inflates past its declared {member.size} bytes; refusing to load it")
+        crc = zlib.crc32(out, crc)
+        if inflater is not None and not chunk and not out:
+            break  # no input left and nothing more comes out
+    if inflater is not None and (not inflater.eof or inflater.unused_data or left):
+        raise ArtifactError(
+            f"{label} is corrupt: its deflate stream {'does not end' if not inflater.eof else 'ends'} before its "
+            f"{member.compressed_size} stored bytes do"
+        )
+    if produced != member.size:
+        raise ArtifactError(f"{label} is corrupt: it inflates to {produced} bytes; the directory declares {member.size}")
+    if crc != member.crc:
+        raise ArtifactError(
+            f"{label} is corrupt: its data's CRC-32 is 0x{crc:08x}, the directory records 0x{member.crc:08x}"
+        )
+
+
 def check_archive(path: str | os.PathLike, verify_crc: bool = True) -> list[zipfile.ZipInfo]:
-    """Validate every entry of the archive at ``path`` (see the module docstring); return them."""
+    """Validate every entry of the archive at ``path`` (see the module docstring); return them.
+
+    In this order, on one open file: the end records, bounding the entry count and the directory's
+    size (before ``zipfile`` parses the directory); every name and file type as ``zipfile`` reads
+    them; the canonical layout (:func:`check_layout`), compared with ``zipfile``'s reading; and with
+    ``verify_crc`` every member's CRC-32, streamed from the offsets checked."""
     source = str(path)
     target = regular_file(path)
     try:
-        with zipfile.ZipFile(target) as archive:
-            infos = archive.infolist()
-            names = [info.filename for info in infos]
-            for info in infos:
-                _check_name(info.filename, source)
-                if _is_directory(info):
-                    raise ArtifactError(
-                        f"{source}: archive entry {info.filename!r} is marked as a directory; a package "
-                        "holds only files; refusing to load it"
-                    )
-                if _is_special(info):
-                    raise ArtifactError(
-                        f"{source}: archive entry {info.filename!r} is a link or special file; "
-                        "refusing to load it"
-                    )
-            duplicates = sorted(n for n, count in Counter(names).items() if count > 1)
-            if duplicates:
-                raise ArtifactError(f"{source}: archive entries {duplicates} appear more than once")
-            root = archive_root(names, source)
-            outside = [n for n in names if not n.startswith(root)]
-            if outside:
-                raise ArtifactError(
-                    f"{source}: archive entry {outside[0]!r} lies outside the package folder {root!r}"
-                )
-            if verify_crc:
+        with open(target, "rb") as file:
+            size = file.seek(0, os.SEEK_END)
+            end = _read_end(file, size, source, ".pt2 archive")
+            with zipfile.ZipFile(file) as archive:
+                infos = archive.infolist()
+                names = [info.filename for info in infos]
                 for info in infos:
-                    try:
-                        with archive.open(info) as member:
-                            while member.read(_CHUNK):
-                                pass
-                    except UNREADABLE_MEMBER as exc:
+                    _check_name(info.filename, source)
+                    if _is_directory(info):
                         raise ArtifactError(
-                            f"{source}: archive entry {info.filename!r} is corrupt ({type(exc).__name__}: {exc})"
-                        ) from exc
+                            f"{source}: archive entry {info.filename!r} is marked as a directory; a package "
+                            "holds only files; refusing to load it"
+                        )
+                    if _is_special(info):
+                        raise ArtifactError(
+                            f"{source}: archive entry {info.filename!r} is a link or special file; "
+                            "refusing to load it"
+                        )
+                    if info.flag_bits & 0x1:
+                        archive.open(info).close()  # zipfile refuses it: encrypted, password required
+                duplicates = sorted(n for n, count in Counter(names).items() if count > 1)
+                if duplicates:
+                    raise ArtifactError(f"{source}: archive entries {duplicates} appear more than once")
+                root = archive_root(names, source)
+                outside = [n for n in names if not n.startswith(root)]
+                if outside:
+                    raise ArtifactError(
+                        f"{source}: archive entry {outside[0]!r} lies outside the package folder {root!r}"
+                    )
+            members = _read_entries(file, end, source, MAX_ARCHIVE_BYTES)
+            _agree(members, infos, source)
+            if verify_crc:
+                for member in members:
+                    _verify(file, member, source)
     except ArtifactError:
         raise
     except OSError as exc:

@@ -239,8 +239,9 @@ SPECS_ENTRY = "extra/offgraph_specs.json"
 
 def read_artifact_specs(path: str | os.PathLike, verify_crc: bool = False) -> ArtifactSpecs:
     """Read the specs of a ``.pt2`` package from its archive, without loading compiled code. The
-    archive's entries are checked first (:func:`~offgraph_export.specs.archive.check_archive`;
-    ``verify_crc`` also reads every member to verify its checksum)."""
+    archive's entries are checked first (:func:`~offgraph_export.specs.archive.check_archive`: names,
+    the one canonical layout, so what is read here is what torch's loader would read, and the
+    bounds on counts and sizes; ``verify_crc`` also reads every member to verify its checksum)."""
     source = str(path)
     infos = {info.filename: info for info in check_archive(path, verify_crc=verify_crc)}
     entry = archive_root(list(infos), source) + SPECS_ENTRY
@@ -270,5 +271,6 @@ def write_artifact_specs(path: str | os.PathLike, specs: ArtifactSpecs) -> None:
 
 
 def archive_entries(path: str | os.PathLike) -> list[tuple[str, int]]:
-    with zipfile.ZipFile(path) as archive:
-        return [(info.filename, info.file_size) for info in archive.infolist()]
+    """Each entry's name and declared size, from an archive that passes
+    :func:`~offgraph_export.specs.archive.check_archive` (its layout and bounds; no member is read)."""
+    return [(info.filename, info.file_size) for info in check_archive(path, verify_crc=False)]

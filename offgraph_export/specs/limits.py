@@ -10,6 +10,14 @@ takes and JSON does not are refused too: ``NaN``/``Infinity`` (they would be wri
 Within that size, a list or object of a spec (the manifest's layers, the model's inputs, an input's
 dims, the symbols, model arguments, options) holds at most :data:`MAX_SPEC_ITEMS` entries, checked
 (:data:`LimitedItems`) before any entry is validated.
+
+The archive itself is bounded the same way (``specs/archive.py`` checks these before it reads what
+they bound, and again while reading): the count of its entries (:data:`MAX_ARCHIVE_MEMBERS`), the
+length of a name and the size of the central directory, what one member and all members declare
+uncompressed (:data:`MAX_MEMBER_BYTES`, :data:`MAX_ARCHIVE_BYTES`), how far a deflated member
+inflates per byte stored (:data:`MAX_COMPRESSION_RATIO`), and a weight file's size beyond the bytes
+its views take (:data:`MAX_TENSOR_FILE_OVERHEAD`, ``runtime/weights.py``). Each value admits a real
+package of a large model (a 16 GB 8B model, one weight file of several GB) with room to spare.
 """
 
 from __future__ import annotations
@@ -20,7 +28,21 @@ from pydantic import BeforeValidator
 
 from offgraph_export.errors import SpecError
 
-__all__ = ["MAX_JSON_BYTES", "MAX_JSON_DEPTH", "MAX_SPEC_ITEMS", "MAX_SPEC_VALUES", "LimitedItems", "loads_limited"]
+__all__ = [
+    "MAX_JSON_BYTES",
+    "MAX_JSON_DEPTH",
+    "MAX_SPEC_ITEMS",
+    "MAX_SPEC_VALUES",
+    "MAX_ARCHIVE_MEMBERS",
+    "MAX_ENTRY_NAME_BYTES",
+    "MAX_CENTRAL_DIRECTORY_BYTES",
+    "MAX_MEMBER_BYTES",
+    "MAX_ARCHIVE_BYTES",
+    "MAX_COMPRESSION_RATIO",
+    "MAX_TENSOR_FILE_OVERHEAD",
+    "LimitedItems",
+    "loads_limited",
+]
 
 MAX_JSON_BYTES = 4 << 20
 MAX_JSON_DEPTH = 16
@@ -35,6 +57,42 @@ MAX_SPEC_ITEMS = 4096
 #: objects of fixed fields open to thousands of unknown keys, each one validation error. The largest
 #: valid manifest (MAX_SPEC_ITEMS layers of 11 values each) holds about 45,000.
 MAX_SPEC_VALUES = 16 * MAX_SPEC_ITEMS
+
+#: The most entries a ``.pt2`` archive may hold, read from its end record before its central
+#: directory is. A package holds a dozen bookkeeping files, a handful per compiled method and one
+#: weight file per stored tensor: an 8B model about 300 entries, the largest manifest
+#: (MAX_SPEC_ITEMS layers of a dozen tensors each) about 50,000. 300,000 entries made every check
+#: (and torch's loader) parse 300,000 directory records before anything was refused.
+MAX_ARCHIVE_MEMBERS = 1 << 16
+#: The longest entry name, in bytes: the package's folder (the file's stem, a file name: at most
+#: 255 bytes on common file systems) plus torch's paths inside it (under 120 bytes, e.g.
+#: ``data/aotinductor/<method>/<52-character hash>.wrapper_metadata.json``).
+MAX_ENTRY_NAME_BYTES = 512
+#: The largest central directory, read whole once its size is known: MAX_ARCHIVE_MEMBERS records
+#: (46 bytes each) of the longest name with a zip64 field (28 bytes), about 38 MB.
+MAX_CENTRAL_DIRECTORY_BYTES = MAX_ARCHIVE_MEMBERS * (46 + MAX_ENTRY_NAME_BYTES + 28)
+#: The most one member may declare uncompressed. The largest member of a real package is one weight
+#: file holding one tensor: an 8B model's embedding is 1 GB in bfloat16 (128256 x 4096 x 2 bytes), a
+#: 70B model's 2.1 GB (4.2 GB in float32); 64 GiB admits any one tensor a single accelerator holds.
+MAX_MEMBER_BYTES = 1 << 36
+#: The most all members together may declare uncompressed. A 16 GB 8B-model package declares 16 GB;
+#: 1 TiB admits any package whose weights fit one host's memory, and bounds the work of verifying
+#: the checksums and of torch's loader.
+MAX_ARCHIVE_BYTES = 1 << 40
+#: The most a deflated member may declare per byte it stores. torch's writer (``PyTorchFileWriter``,
+#: which writes every member of a ``.pt2`` and of a ``torch.save`` tensor file) has no compression
+#: option and stores every member, zero-filled buffers included, and so does this project's specs
+#: entry: their ratio is 1, and a stored member's two sizes must be equal. Only another zip writer
+#: deflates, getting 2-10x on code, JSON and libraries and ~1.1x on float weights; long runs of one
+#: byte or phrase (zero-filled buffers, padding) reach hundreds to deflate's ceiling of about 1032:1,
+#: as a bomb does (3 MiB declaring 3 GiB). 64 admits what such a writer makes of a package's files
+#: but those runs, and bounds what a deflated archive inflates to at 64 times its size.
+MAX_COMPRESSION_RATIO = 64
+#: The most a weight file (one ``torch.save``'d tensor) may hold beyond the bytes its views take
+#: (checked before it is read): the file is the tensor's storage plus about 1.6 KB of its own (the
+#: pickle, five small records, each record's header, 64-byte alignment padding and data
+#: descriptor, the directory and zip64 end records); 64 KiB admits any rank and record name.
+MAX_TENSOR_FILE_OVERHEAD = 64 << 10
 
 
 def _limit_items(value: object) -> object:

@@ -35,6 +35,7 @@ from pydantic import (
     Field,
     ValidationError,
     computed_field,
+    model_serializer,
     model_validator,
 )
 
@@ -57,10 +58,21 @@ __all__ = [
     "row_position",
     "storage_names",
     "storage_index",
+    "PAGED_MANIFEST_VERSION",
+    "BATCH_INPUTS",
+    "PagingManifest",
+    "paged_row",
+    "pages_for",
 ]
 
 MANIFEST_KEY = "offgraph_kv_manifest"
 MANIFEST_VERSION = 1
+#: the version of a manifest with ``paging`` (a batched artifact, design section 10)
+PAGED_MANIFEST_VERSION = 2
+#: the four runtime-bound inputs of a batched program, in order, after the storage inputs
+BATCH_INPUTS = ("token_slots", "token_rows", "page_table", "session_lengths")
+#: the largest page (rows)
+MAX_PAGE_SIZE = 2**16
 
 StorageDtype = Literal["float32", "float16", "bfloat16"]
 #: The largest count, size or position a manifest may name: the compiled kernels hold positions
@@ -109,6 +121,21 @@ def storage_index(n_model_inputs: int, layer_order: int, which: Which) -> int:
     """Program-input index of the K or V storage of the ``layer_order``-th layer: storage follows
     the model's ``n_model_inputs`` inputs, K then V per layer."""
     return n_model_inputs + 2 * layer_order + (0 if which == "k" else 1)
+
+
+def paged_row(pages: Any, position: Any, page_size: int) -> Any:
+    """The pool row (the pool viewed as ``[pages * page_size, ...]``) holding ``position`` of a
+    session whose pages, in order, are ``pages``: ``pages[p // page_size] * page_size + p %
+    page_size``. ``pages`` a list and ``position`` an int; or integer tensors, ``pages``
+    ``[..., P]`` and ``position`` ``[..., L]`` (the lookup a ``gather`` along the last dim)."""
+    index = position // page_size
+    page = pages[index] if isinstance(pages, (list, tuple)) else pages.gather(-1, index)
+    return page * page_size + position % page_size
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    """Pages a session of ``tokens`` tokens holds: ``ceil(tokens / page_size)``."""
+    return -(-tokens // page_size)
 
 
 # --- the manifest ----------------------------------------------------------------------------
@@ -181,6 +208,60 @@ class LayerManifest(BaseModel):
         return self.head_dim if which == "k" else self.v_head_dim
 
 
+class PagingManifest(BaseModel):
+    """How a batched program's flat storage is paged and which inputs carry the batch (design
+    section 10). Slot 0 and page 0 are the scratch slot and page of padding tokens."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_sessions: int = Field(ge=1, le=MAX_EXTENT)
+    page_size: int = Field(ge=1, le=MAX_PAGE_SIZE)
+    pages_per_session: int = Field(ge=1, le=MAX_EXTENT)
+    pool_pages: int = Field(ge=2, le=MAX_EXTENT)
+    inputs: list[StorageInput] = Field(min_length=len(BATCH_INPUTS), max_length=len(BATCH_INPUTS))
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "PagingManifest":
+        if self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size={self.page_size} must be a power of two")
+        names = tuple(i.name for i in self.inputs)
+        if names != BATCH_INPUTS:
+            raise ValueError(f"paging inputs are named {list(names)}; expected {list(BATCH_INPUTS)} in that order")
+        if not 2 <= self.pool_pages <= self.max_pool_pages:
+            raise ValueError(
+                f"pool_pages={self.pool_pages} must lie in [2, {self.max_pool_pages}] (the scratch page plus "
+                f"max_sessions * pages_per_session)"
+            )
+        if self.max_pool_pages * self.page_size > MAX_EXTENT:
+            raise ValueError(f"{self.max_pool_pages} pages of {self.page_size} rows exceed {MAX_EXTENT} pool rows")
+        return self
+
+    @property
+    def max_pool_pages(self) -> int:
+        """The largest useful pool: every session at full capacity, plus the scratch page."""
+        return 1 + self.max_sessions * self.pages_per_session
+
+    @property
+    def slots(self) -> int:
+        """Rows of the page table and ring slots: the sessions plus the scratch slot."""
+        return self.max_sessions + 1
+
+    def check_follows(self, first_index: int) -> None:
+        """The batch inputs are the program inputs from ``first_index`` on, in order."""
+        got = [i.index for i in self.inputs]
+        want = list(range(first_index, first_index + len(BATCH_INPUTS)))
+        if got != want:
+            raise SpecError(f"paging inputs have indices {got}; they must follow the storage inputs: {want}")
+
+    def input_shape(self, name: str, width: int | str) -> tuple[int | str, ...]:
+        """The shape of batch input ``name`` for a step of ``width`` tokens."""
+        if name == "page_table":
+            return (self.slots, self.pages_per_session)
+        if name == "session_lengths":
+            return (self.slots,)
+        return (width,)
+
+
 class CacheManifest(BaseModel):
     """What storage the program expects. ``max_capacity``/``initial_capacity`` are in tokens
     (rows of flat layers); ring layers are fixed at :func:`ring_rows` rows."""
@@ -196,13 +277,26 @@ class CacheManifest(BaseModel):
     max_write: int = Field(ge=1, le=MAX_EXTENT)
     #: at most MAX_SPEC_ITEMS, counted before any layer is validated
     layers: Annotated[list[LayerManifest], LimitedItems] = Field(min_length=1)
+    #: a batched program's paging (version 2 only); None: one session per program
+    paging: PagingManifest | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> "CacheManifest":
-        if self.version != MANIFEST_VERSION:
+        want = MANIFEST_VERSION if self.paging is None else PAGED_MANIFEST_VERSION
+        if self.version != want:
             raise ValueError(
                 f"unknown manifest version {self.version!r}; this build reads version {MANIFEST_VERSION}"
+                + ("" if self.paging is None else f" ({PAGED_MANIFEST_VERSION} with paging)")
             )
+        if self.paging is not None:
+            if self.batch_size != 1:
+                raise ValueError(f"a paged manifest packs sessions along the tokens; its batch_size must be 1, got {self.batch_size}")
+            if self.paging.pages_per_session != pages_for(self.max_capacity, self.paging.page_size):
+                raise ValueError(
+                    f"pages_per_session={self.paging.pages_per_session} must be ceil(max_capacity / page_size) = "
+                    f"{pages_for(self.max_capacity, self.paging.page_size)}"
+                )
+            self.paging.check_follows(max((s.index for l in self.layers for s in (l.k, l.v)), default=-1) + 1)
         if not 1 <= self.max_write <= self.max_capacity:
             raise ValueError(
                 f"max_write={self.max_write} must lie in [1, max_capacity={self.max_capacity}]"
@@ -217,6 +311,8 @@ class CacheManifest(BaseModel):
             rows = self.rows(layer, self.max_capacity)
             if rows > MAX_EXTENT:
                 raise ValueError(f"layer {layer.layer_id}: {rows} storage rows; at most {MAX_EXTENT}")
+            if self.paging is not None:  # all slots' rings, or the largest pool
+                rows = rows * self.paging.slots if layer.window is not None else self.paging.max_pool_pages * self.paging.page_size
             elements = self.batch_size * layer.kv_heads * rows * max(layer.head_dim, layer.v_head_dim)
             if elements > MAX_STORAGE_ELEMENTS:
                 raise ValueError(
@@ -278,9 +374,16 @@ class CacheManifest(BaseModel):
         return layer.rows(capacity, self.max_write)
 
     def storage_shape(self, storage: StorageInput, capacity: int) -> tuple[int, int, int, int]:
-        """``[batch, kv_heads, rows, head_dim | v_head_dim]`` of a storage input."""
+        """``[batch, kv_heads, rows, head_dim | v_head_dim]`` of a storage input when flat layers
+        hold ``capacity`` rows. Paged (``capacity``: the pool's pages): a flat layer's pool
+        ``[pages, page_size, kv_heads, dim]``, a ring layer's rings ``[slots, kv_heads, rows, dim]``."""
         layer, which = self.owner(storage)
-        return (self.batch_size, layer.kv_heads, self.rows(layer, capacity), layer.head_dim_of(which))
+        dim = layer.head_dim_of(which)
+        if self.paging is not None:
+            if layer.window is None:
+                return (capacity, self.paging.page_size, layer.kv_heads, dim)
+            return (self.paging.slots, layer.kv_heads, self.rows(layer, capacity), dim)
+        return (self.batch_size, layer.kv_heads, self.rows(layer, capacity), dim)
 
     def check_follows(self, n_model_inputs: int) -> None:
         """Raise :class:`SpecError` unless the storage inputs are exactly the program inputs that
@@ -297,6 +400,15 @@ class CacheManifest(BaseModel):
                 f"{n_model_inputs} model inputs, K then V per layer: {want}"
             )
 
+    @model_serializer(mode="wrap")
+    def _without_absent_paging(self, handler: Any) -> Any:
+        """A one-session manifest serializes as before paging existed (no ``"paging": null``), so
+        its JSON, and every artifact's metadata built from it, is unchanged."""
+        data = handler(self)
+        if isinstance(data, dict) and data.get("paging", 0) is None:
+            del data["paging"]
+        return data
+
     def to_json(self) -> str:
         return self.model_dump_json()
 
@@ -305,7 +417,7 @@ def parse_manifest(text: str | bytes) -> CacheManifest:
     """Parse and validate manifest JSON; raise :class:`SpecError` with every problem found."""
     data = loads_limited(text, MANIFEST_KEY, max_values=MAX_SPEC_VALUES)
     if isinstance(data, dict) and "version" in data and (
-        type(data["version"]) is not int or data["version"] != MANIFEST_VERSION
+        type(data["version"]) is not int or data["version"] not in (MANIFEST_VERSION, PAGED_MANIFEST_VERSION)
     ):
         raise SpecError(
             f"unknown {MANIFEST_KEY} version {data['version']!r}; this build reads version "

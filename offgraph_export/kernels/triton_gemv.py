@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 
 from offgraph_export.errors import ExportError
-from offgraph_export.lowering.triton_base import (
+from offgraph_export.kernels.triton_base import (
     TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR,
     pow2_at_least as _pow2_at_least,
     sm_count,

@@ -6,6 +6,14 @@ Storage is ``[B, Hkv, rows, D]``; the row of a position and the position a row h
 :mod:`offgraph_export.specs.manifest` (one rule for flat and ring layers). Rows never written may hold anything (the check poisons them with NaN),
 so invalid rows are removed from the scores with ``where`` (not an additive mask) and zeroed in V
 before the weighted sum: ``0 * NaN`` would otherwise leak into every output.
+
+Any strides: q/k/v/position may arrive in any layout (a transposed slice of a fused q|k|v
+projection, say), and the layout the step is traced with need not be the one it is compiled with:
+Inductor's decompositions may give an intermediate other strides than export recorded (``cat``
+whose other inputs are empty becomes a stride-preserving ``clone``). A ``reshape`` that merges
+dims is recorded as a ``view`` where the traced layout allowed one, which then fails to compile
+for the other layout. So every input the step reshapes is first copied by :func:`dense_copy` into
+the one layout its shape has, by an op every trace keeps.
 """
 
 from __future__ import annotations
@@ -14,7 +22,18 @@ import torch
 
 from offgraph_export.specs.manifest import row_position, storage_row
 
-__all__ = ["portable_update_and_attend"]
+__all__ = ["dense_copy", "portable_update_and_attend"]
+
+
+def dense_copy(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x`` (in ``dtype``) copied into the contiguous layout of its shape, whatever its strides.
+
+    Always a copy (``_to_copy`` with an explicit memory format), so its layout depends on the
+    shape alone in every trace; ``.contiguous()`` (or ``.float()`` of an fp32 tensor) is no op at
+    all where the traced tensor already is contiguous, and then what follows it inherits whatever
+    layout the compiler gives the input. Views and kernels' stride arguments taken from the copy
+    hold in any trace."""
+    return x.to(dtype or x.dtype, memory_format=torch.contiguous_format, copy=True)
 
 
 def portable_update_and_attend(
@@ -47,7 +66,8 @@ def portable_update_and_attend(
     keys = torch.where(seen[None, None, :, None], k_store, 0).float()
     values = torch.where(seen[None, None, :, None], v_store, 0).float()
     group = hq // hkv
-    qf = q.float().reshape(b, hkv, group * t, d)
+    # Merging the group into the token dim is a view of the dense copy, whatever q's strides.
+    qf = dense_copy(q, torch.float32).reshape(b, hkv, group * t, d)
     scores = torch.matmul(qf, keys.transpose(-1, -2)) * scale
     scores = scores.reshape(b, hkv, group, t, rows)
     scores = torch.where(allowed, scores, float("-inf"))

@@ -1,0 +1,142 @@
+"""Reading a local transformers checkpoint directory: ``config.json``, safetensors weights (one
+file, or the shards a ``model.safetensors.index.json`` names), the dtype and the tokenizer.
+
+The directory is untrusted input: its JSON files are read bounded before transformers sees them,
+nothing is downloaded (``local_files_only`` with the hub offline), no remote code runs, and only
+safetensors weights are read; a directory holding weights in another format is refused rather
+than mistaken for a config-only one (which gets seeded random weights, if they fit in memory).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from offgraph_export.errors import ExportError, first_line
+from offgraph_export.models import model_dtype
+from offgraph_export.specs.limits import loads_limited
+
+__all__ = ["HFCheckpoint", "load_hf_model"]
+
+
+def _fail(directory: Path, what: str) -> ExportError:
+    """The error for a bad checkpoint directory: ``hf:DIR: what``."""
+    return ExportError(f"hf:{directory}: {what}")
+
+
+#: The largest JSON file of a checkpoint read (config.json, the safetensors index; real ones are KBs to a few hundred KB).
+_MAX_CONFIG_BYTES = 1 << 20
+#: Weight files transformers could read that this frontend does not: their presence without
+#: safetensors weights is refused rather than mistaken for a config-only directory.
+_OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".index.json")
+
+
+def _safetensors_files(path: Path) -> list[str]:
+    """The safetensors weights of ``path``: ``model.safetensors``, or every shard its index
+    names (each a plain file inside ``path``); [] when there are none."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        data = _read_json(path, index.name)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise _fail(path, f"{index.name} has no weight_map of tensor names to shard files")
+        shards = sorted(set(weight_map.values()))
+        for shard in shards:
+            if Path(shard).name != shard or not (path / shard).is_file():
+                raise _fail(path, f"{index.name} names the shard {shard!r}, which is not a file in the directory")
+        return shards
+    return ["model.safetensors"] if (path / "model.safetensors").is_file() else []
+
+
+def _check_random_weights_fit(path: Path, auto_model: object, config: object, dtype: torch.dtype) -> None:
+    """A config.json alone gets random weights made in memory: refuse one whose weights would not
+    fit this machine's memory (a 200-byte config can ask for terabytes), sized on the meta device
+    first, where nothing is allocated."""
+    with torch.device("meta"):
+        shell = auto_model.from_config(config, dtype=dtype, trust_remote_code=False)  # type: ignore[attr-defined]
+    needed = sum(t.numel() * t.element_size() for t in (*shell.parameters(), *shell.buffers()))
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # no such counter on this platform
+        return
+    if needed > memory:
+        raise _fail(
+            path,
+            f"config.json describes {needed / 1e9:.1f} GB of {str(dtype).removeprefix('torch.')} weights, "
+            f"more than this machine's {memory / 1e9:.1f} GB of memory (random weights are made in memory)",
+        )
+
+
+def _read_json(path: Path, name: str) -> object:
+    """``path / name`` as untrusted input: a regular file of bounded size, bounded JSON."""
+    file = path / name
+    if not file.is_file():
+        raise _fail(path, f"{name} is not a regular file")
+    if file.stat().st_size > _MAX_CONFIG_BYTES:
+        raise _fail(path, f"{name} is larger than {_MAX_CONFIG_BYTES} bytes")
+    try:
+        return loads_limited(file.read_bytes(), name, ExportError)
+    except OSError as exc:
+        raise _fail(path, f"{name} is unreadable: {exc}") from exc
+    except ExportError as exc:
+        raise _fail(path, str(exc)) from None
+
+
+@dataclass
+class HFCheckpoint:
+    """A loaded checkpoint: the causal LM (in eval mode) and its tokenizer, if the directory has one."""
+
+    model: nn.Module
+    tokenizer: object | None
+
+
+def load_hf_model(directory: str | os.PathLike, dtype: str | None = None, seed: int = 0) -> HFCheckpoint:
+    """The causal LM (and tokenizer, when the directory has one) of a local checkpoint."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = Path(directory)
+    if not path.is_dir():
+        raise _fail(path, "no such checkpoint directory")
+    if not (path / "config.json").exists():
+        raise _fail(path, "config.json is missing")
+    _read_json(path, "config.json")
+    torch_dtype = model_dtype(dtype, ExportError) if dtype is not None else torch.float32
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    except ImportError as exc:
+        raise ExportError(
+            f"hf: references need transformers (pip install 'offgraph-export[hf]'): {exc}"
+        ) from exc
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except Exception as exc:  # transformers raises ValueError/OSError/KeyError for bad configs
+        raise _fail(path, f"config.json cannot be read as a transformers config: {first_line(exc)}") from exc
+    if getattr(config, "is_encoder_decoder", False):
+        raise _fail(path, f"not supported by the neutral KV op: encoder-decoder model ({config.model_type})")
+    weights = _safetensors_files(path)
+    others = sorted(p.name for p in path.iterdir() if p.name.endswith(_OTHER_WEIGHTS) or p.suffix == ".safetensors")
+    if not weights and others:  # random weights only for a directory that holds none at all
+        raise _fail(path, f"only safetensors weights (model.safetensors, or shards named by "
+                          f"model.safetensors.index.json) are read; found {others}")
+    try:
+        if weights:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, local_files_only=True, use_safetensors=True, trust_remote_code=False,
+                dtype=torch_dtype,
+            )
+        else:
+            _check_random_weights_fit(path, AutoModelForCausalLM, config, torch_dtype)
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, trust_remote_code=False)
+    except Exception as exc:  # missing shards, shape mismatches, unknown architectures, ...
+        raise _fail(path, f"cannot build the model: {first_line(exc)}") from exc
+    tokenizer = None
+    if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        except Exception as exc:
+            raise _fail(path, f"cannot load the tokenizer: {first_line(exc)}") from exc
+    return HFCheckpoint(model.eval(), tokenizer)

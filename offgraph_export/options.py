@@ -1,0 +1,254 @@
+"""Export options, typed once: their vocabularies, their per-device defaults and every rule on
+which go together.
+
+:class:`ExportOptions` is what a user asks for (``None``: the device's default); :meth:`ExportOptions.resolve`
+fills the defaults and applies every compatibility rule, raising :class:`OptionError` (an
+:class:`~offgraph_export.errors.ExportError`) that names the flag; the result,
+:class:`ResolvedOptions`, is what the pipeline runs with and what the specs record
+(:meth:`ResolvedOptions.record`). The CLI and the Python API go through the same :meth:`resolve`,
+so both refuse the same combinations with the same words, before anything is traced.
+
+This module imports neither torch nor triton: the CLI reads its ``click.Choice`` lists from here
+when it starts. Nothing else computes a per-device export default or a compatibility rule.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from offgraph_export.errors import ExportError
+
+__all__ = [
+    "FORMATS",
+    "DEVICES",
+    "STEP_IMPLS",
+    "BACKENDS",
+    "BACKEND_DEVICE",
+    "AUTOTUNE_CHOICES",
+    "OptionError",
+    "ExportOptions",
+    "ResolvedOptions",
+    "device_kind",
+    "default_step_impl",
+    "default_decode_method",
+    "default_max_autotune",
+    "default_decode_gemv",
+    "default_decode_rope",
+    "pass_record",
+    "lowering_record",
+]
+
+Format = Literal["pt2", "executorch"]
+#: ``pt2``: an AOTInductor package (a method per program); ``executorch``: an ExecuTorch ``.pte``.
+FORMATS: tuple[str, ...] = get_args(Format)
+#: The devices a CLI user picks from (the API also takes ``cuda:N``).
+DEVICES = ("cpu", "cuda")
+StepImplName = Literal["portable", "triton"]
+#: The lowered step implementations by name (``kernels/step_impls.py`` maps them to code).
+STEP_IMPLS: tuple[str, ...] = get_args(StepImplName)
+Backend = Literal["xnnpack", "portable", "cuda"]
+#: What lowers a ``.pte``'s ops: ExecuTorch's portable kernels alone, XNNPACK where it applies
+#: (both cpu), or the CUDA delegate (the whole program, compiled by AOTInductor).
+BACKENDS: tuple[str, ...] = get_args(Backend)
+#: The device each backend's program runs on.
+BACKEND_DEVICE = {"xnnpack": "cpu", "portable": "cpu", "cuda": "cuda"}
+Autotune = Literal["none", "decode", "all"]
+#: ``max_autotune`` values: which methods' GEMMs inductor tunes by benchmarking candidates on the
+#: device at compile time (slower compile, faster small-batch GEMMs).
+AUTOTUNE_CHOICES: tuple[str, ...] = get_args(Autotune)
+
+_DEVICE = re.compile(r"cpu|cuda(:[0-9]{1,4})?")
+
+
+class OptionError(ExportError):
+    """Options that do not go together (or a value outside an option's vocabulary). ``flag``:
+    the CLI flag of the option at fault (``--decode-gemv``), for the CLI's usage error."""
+
+    def __init__(self, message: str, flag: str) -> None:
+        super().__init__(message)
+        self.flag = flag
+
+
+def device_kind(device: str) -> str:
+    """``cuda`` for ``cuda`` and ``cuda:N``, ``cpu`` otherwise."""
+    return "cuda" if device.startswith("cuda") else "cpu"
+
+
+def default_step_impl(device: str) -> str:
+    """``triton`` on cuda (reads only the valid rows), ``portable`` elsewhere."""
+    return "triton" if device_kind(device) == "cuda" else "portable"
+
+
+def default_decode_method(device: str) -> bool:
+    """A decode method by default on cuda (where a specialized one-token step pays for its
+    compile); on cpu the general step serves decode."""
+    return device_kind(device) == "cuda"
+
+
+def default_max_autotune(device: str) -> str:
+    """``decode`` on cuda (tune the one-token GEMMs, which default kernels run far below memory
+    bandwidth), ``none`` on cpu."""
+    return "decode" if device_kind(device) == "cuda" else "none"
+
+
+def default_decode_gemv(device: str, decode_method: bool) -> bool:
+    """GEMV projections with their folds in the decode method: on wherever they can run, a cuda
+    decode method (measured faster than the compiler's GEMMs there, ``benchmarks/README.md``)."""
+    return decode_method and device_kind(device) == "cuda"
+
+
+def default_decode_rope(device: str, decode_method: bool, step_impl: str) -> bool:
+    """The rotary fold: on wherever it can run, the triton step's one-token kernel of a cuda decode
+    method (the pass leaves a model whose rotary form it does not recognize unchanged)."""
+    return default_decode_gemv(device, decode_method) and step_impl == "triton"
+
+
+#: the CLI flag of each field, named in errors
+_FLAGS = {
+    "format": "--format",
+    "device": "--device",
+    "executorch_backend": "--executorch-backend",
+    "step_impl": "--step-impl",
+    "fuse_projections": "--fuse-projections",
+    "decode_method": "--decode-method",
+    "max_autotune": "--max-autotune",
+    "decode_gemv": "--decode-gemv",
+    "decode_rope": "--decode-rope",
+}
+
+
+class ResolvedOptions(BaseModel):
+    """Every option concrete: what the passes and the lowering run with."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    format: Format
+    #: the device the artifact runs on (``cuda`` for a ``.pte`` of the CUDA delegate)
+    device: str
+    executorch_backend: Backend | None
+    step_impl: StepImplName
+    fuse_projections: bool
+    decode_method: bool
+    max_autotune: Autotune
+    decode_gemv: bool
+    decode_rope: bool
+
+    @property
+    def export_device(self) -> str:
+        """Where the model is traced: the target device for a ``.pt2``; always the cpu for a
+        ``.pte`` (ExecuTorch's CUDA backend moves the program to the device itself)."""
+        return self.device if self.format == "pt2" else "cpu"
+
+    def record(self) -> dict[str, bool | int | str]:
+        """The options the specs record (``ArtifactSpecs.options``, shown by ``inspect``)."""
+        return pass_record(self.fuse_projections, self.decode_method, self.decode_gemv, self.decode_rope) | lowering_record(
+            self.format, self.max_autotune
+        )
+
+
+def pass_record(fuse: bool, decode_method: bool, decode_gemv: bool, decode_rope: bool) -> dict[str, bool | int | str]:
+    """The part of the specs' options the passes decide: the fold flags only where there is a
+    decode method to fold into."""
+    out: dict[str, bool | int | str] = {"fuse_projections": fuse}
+    if decode_method:
+        out |= {"decode_gemv": decode_gemv, "decode_rope": decode_rope}
+    return out
+
+
+def lowering_record(format: str, max_autotune: str) -> dict[str, bool | int | str]:
+    """The part the lowering decides: the autotune mode, for a ``.pt2`` only."""
+    return {"max_autotune": max_autotune} if format == "pt2" else {}
+
+
+class ExportOptions(BaseModel):
+    """What a user asks of an export; ``None``: the device's default (:meth:`resolve`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    format: Format = "pt2"
+    device: str = "cpu"
+    executorch_backend: Backend | None = None
+    step_impl: StepImplName | None = None
+    fuse_projections: bool = True
+    decode_method: bool | None = None
+    max_autotune: Autotune | None = None
+    decode_gemv: bool | None = None
+    decode_rope: bool | None = None
+
+    @classmethod
+    def parse(cls, **fields: Any) -> "ExportOptions":
+        """Build from keyword values, refusing an unknown option or a value outside its
+        vocabulary with one :class:`OptionError` naming the option and what it takes."""
+        try:
+            return cls(**fields)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            name = str(err["loc"][0]) if err["loc"] else "?"
+            if err["type"] == "extra_forbidden":
+                raise OptionError(f"unknown export option {name!r}; expected one of {tuple(cls.model_fields)}", "--help") from None
+            raise OptionError(
+                f"{name}={err.get('input')!r} is not valid: {err['msg']}", _FLAGS.get(name, "--help")
+            ) from None
+
+    def resolve(self, max_write: int | None = None) -> ResolvedOptions:
+        """The device's defaults filled in and every rule checked. ``max_write``: the cache's
+        step bound, when known (the token width must range over at least ``[1, 2]``)."""
+        if not _DEVICE.fullmatch(self.device):
+            raise OptionError(f"unknown device {self.device!r}; expected cpu, cuda or cuda:N", "--device")
+        pt2 = self.format == "pt2"
+        kind = device_kind(self.device)
+        backend = self.executorch_backend
+        if pt2 and backend is not None:
+            raise OptionError(f"executorch_backend {backend!r} applies to the executorch format, not pt2", "--executorch-backend")
+        if not pt2:
+            backend = backend or ("cuda" if kind == "cuda" else "xnnpack")
+            if BACKEND_DEVICE[backend] != kind:
+                raise OptionError(f"the {backend} backend builds for {BACKEND_DEVICE[backend]}, not {kind}", "--executorch-backend")
+            if self.decode_method or self.max_autotune not in (None, "none"):
+                raise OptionError(
+                    "--decode-method and --max-autotune are AOTInductor options; drop them for --format executorch",
+                    "--format",
+                )
+        if self.step_impl == "triton" and kind == "cpu":
+            raise OptionError("the triton step runs on cuda only; use --step-impl portable (the cpu default)", "--step-impl")
+        export_device = self.device if pt2 else "cpu"
+        step_impl = self.step_impl or default_step_impl(export_device)
+        decode_method = self.decode_method if self.decode_method is not None else pt2 and default_decode_method(self.device)
+        gemv_ok = pt2 and default_decode_gemv(self.device, decode_method)
+        if self.decode_gemv and not gemv_ok:
+            raise OptionError(
+                "--decode-gemv is a cuda kernel for the pt2 decode method: use it with --device cuda "
+                "and without --no-decode-method",
+                "--decode-gemv",
+            )
+        rope_ok = pt2 and default_decode_rope(self.device, decode_method, step_impl)
+        if self.decode_rope and not rope_ok:
+            raise OptionError(
+                "--decode-rope folds the rotary embedding into the triton step's one-token kernel: use "
+                "it with --device cuda, the triton step and without --no-decode-method",
+                "--decode-rope",
+            )
+        if not pt2 and step_impl == "triton":
+            raise OptionError("the executorch format exports on cpu with the portable step; drop --step-impl triton", "--step-impl")
+        max_autotune = self.max_autotune or (default_max_autotune(self.device) if pt2 and decode_method else "none")
+        if max_autotune == "decode" and not decode_method:
+            raise OptionError(
+                "max_autotune='decode' tunes the decode method, which this program leaves out; use 'all' or 'none'",
+                "--max-autotune",
+            )
+        if max_write is not None and max_write < 2:  # a width range [1, 1] is a constant to torch.export
+            raise OptionError(f"max_write {max_write} is too small: a step's token width must range over at least [1, 2]", "--max-write")
+        return ResolvedOptions(
+            format=self.format,
+            device=self.device,
+            executorch_backend=backend,
+            step_impl=step_impl,  # type: ignore[arg-type]
+            fuse_projections=self.fuse_projections,
+            decode_method=decode_method,
+            max_autotune=max_autotune,  # type: ignore[arg-type]
+            decode_gemv=self.decode_gemv if self.decode_gemv is not None else gemv_ok,
+            decode_rope=self.decode_rope if self.decode_rope is not None else rope_ok,
+        )
