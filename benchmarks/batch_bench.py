@@ -45,7 +45,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -59,6 +58,7 @@ from decode_bench import (  # noqa: E402
     graph_step,
     kernel_breakdown,
     log,
+    run_export,
     save,
     sync,
     time_steps,
@@ -125,16 +125,7 @@ def _export(args, name: str, extra: list[str]) -> None:
         log(f"{name}: {path} is built already (same command): kept")
         (out / record.name).write_text(record.read_text())
         return
-    log(f"building {name}:", " ".join(cmd[2:]))
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    (out / f"{name}_export.log").write_text(proc.stderr[-20000:])
-    if proc.returncode != 0:
-        raise SystemExit(f"{name} export failed:\n{proc.stderr[-3000:]}")
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    summary["wall_s"] = time.perf_counter() - t0
-    summary["command"] = " ".join(cmd[2:])
-    save(out, f"{name}_build", summary)
+    summary = run_export(cmd, out, name)
     record.write_text(json.dumps(summary, indent=2))
 
 

@@ -54,6 +54,22 @@ EXTRA_DECODE_STEPS = 32
 # -- shared helpers ------------------------------------------------------------------------------
 
 
+def run_export(cmd: list[str], out: Path, name: str) -> dict:
+    """Run an ``offgraph-export export ... --json`` command, keep its log as ``NAME_export.log``,
+    and save its summary (with the wall time and the command) as ``NAME_build.json``."""
+    log(f"building {name}:", " ".join(cmd[2:]))
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    (out / f"{name}_export.log").write_text(proc.stderr[-20000:])
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} export failed:\n{proc.stderr[-3000:]}")
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    summary["wall_s"] = time.perf_counter() - t0
+    summary["command"] = " ".join(cmd[2:])
+    save(out, f"{name}_build", summary)
+    return summary
+
+
 def log(*parts: object) -> None:
     print(f"[{time.strftime('%H:%M:%S')}]", *parts, file=sys.stderr, flush=True)
 
@@ -261,16 +277,7 @@ def build_offgraph(args) -> None:
         "--max-capacity", str(args.max_capacity), "--initial-capacity", "1024", "--max-write", str(PREFILL),
         "--json", *VARIANTS[name], *args.export_args,
     ]
-    log(f"building {name}:", " ".join(cmd[2:]))
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    (out / f"{name}_export.log").write_text(proc.stderr[-20000:])
-    if proc.returncode != 0:
-        raise SystemExit(f"{name} export failed:\n{proc.stderr[-3000:]}")
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    summary["wall_s"] = time.perf_counter() - t0
-    summary["command"] = " ".join(cmd[2:])
-    save(out, f"{name}_build", summary)
+    run_export(cmd, out, name)
 
 
 def build_hf_aoti(args) -> None:
