@@ -64,6 +64,8 @@ def _cases(tmp_path: Path, artifact: Path) -> dict[str, tuple]:
         "output-not-pt2": _case(["export", EXAMPLE, "-o", str(tmp_path / "out.zip")], "must end in .pt2"),
         "output-under-a-file": _case(["export", EXAMPLE, "-o", str(a_file / "x.pt2")], "not a writable directory"),
         "output-is-a-directory": _case(["export", EXAMPLE, "-o", str(tmp_path / "dir.pt2")], "is a directory"),
+        # as root os.access says yes to /proc, which takes no new file: the folder is tried for real
+        "output-in-proc": _case(["export", EXAMPLE, "-o", "/proc/offgraph_out.pt2"], "'/proc' is not a writable directory"),
         "zero-max-capacity": _case(["export", EXAMPLE, "-o", out, "--max-capacity", "0"], "--max-capacity"),
         "negative-max-write": _case(["export", EXAMPLE, "-o", out, "--max-write", "-4"], "--max-write"),
         "initial-above-max": _case(["export", EXAMPLE, "-o", out, "--max-capacity", "64", "--initial-capacity", "128"],
@@ -134,7 +136,7 @@ CASE_NAMES = [
     "hf-unknown-option", "cuda-without-gpu", "container-arg", "infinite-arg", "arg-given-twice",
     "builtin-factory", "class-factory", "max-write-1", "autotune-decode-without-decode-method",
     "backend-with-pt2", "bundle-bad-token-dim", "bundle-config-not-a-config", "hf-empty-directory",
-    "dot-stem-output",
+    "dot-stem-output", "output-in-proc",
 ]
 
 

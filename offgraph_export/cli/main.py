@@ -98,9 +98,21 @@ def _check_output(path: str, suffix: str) -> Path:
     parent = target.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK) or not _writes(parent):
         raise click.BadParameter(f"cannot write {path!r}: {str(parent)!r} is not a writable directory", param_hint="'-o'")
     return target
+
+
+def _writes(folder: Path) -> bool:
+    """Whether a file can really be made in ``folder`` (``os.access`` says yes to root for places
+    such as /proc that take no new file): make one and remove it."""
+    import tempfile
+
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".offgraph-probe-"):
+            return True
+    except OSError:
+        return False
 
 
 def _check_device(device: str) -> None:
