@@ -71,16 +71,30 @@ def _rows_if(offs_m, n_rows, cond):
 
 
 @triton.jit
-def _tile_queries(pos_ptr, pos_stride, T, pid_m, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
+def _tile_rows(T, pid_m, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
     """The query rows of tile ``pid_m``: row m is token ``m // GROUP`` of query head
     ``m % GROUP`` within the kv head's group. Returns (token, head-in-group, row is real, the
-    row's absolute position as int32, the row indices)."""
+    row indices).
+
+    No pointer goes into this helper, and nothing it returns is loaded from memory: torch's
+    mutation analysis of a Triton kernel (``triton_kernel_wrap.analyze_kernel_access``) walks
+    back from every store's address, through a helper call to all of its arguments, and marks
+    each pointer it reaches as written. The output's store address is made of these rows, so a
+    helper that also took ``pos_ptr`` (as one that loaded the positions here did) made torch
+    treat the positions as mutated: a clone per call, and on torch 2.11 an Inductor pattern
+    replacement that failed to compile (``decompose_triton_kernel_wrapper_functional``)."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < GROUP * T
     tok = offs_m // GROUP
     grp = offs_m % GROUP
-    qpos = tl.load(pos_ptr + tok * pos_stride, mask=row_ok, other=0).to(tl.int32)
-    return tok, grp, row_ok, qpos, offs_m
+    return tok, grp, row_ok, offs_m
+
+
+@triton.jit
+def _query_positions(pos_ptr, pos_stride, tok, row_ok):
+    """Each query row's absolute position (int32; 0 for rows that are not real). Its result
+    feeds key ranges and masks, never a store's address (see :func:`_tile_rows`)."""
+    return tl.load(pos_ptr + tok * pos_stride, mask=row_ok, other=0).to(tl.int32)
 
 
 @triton.jit

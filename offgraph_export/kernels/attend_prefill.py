@@ -47,13 +47,14 @@ from offgraph_export.kernels.attend_common import (
     _finite_max,
     _normalized,
     _part_rows,
+    _query_positions,
     _rows_if,
     _split_keys,
     _split_plan,
     _storage_row,
     _store_split,
     _tile_key_range,
-    _tile_queries,
+    _tile_rows,
     partial_buffers,
     split_count,
 )
@@ -153,7 +154,8 @@ def _attend_kernel(
     split = tl.program_id(2)
     b, kvh = _batch_and_head(pid_bh, n_kv_heads)
 
-    tok, grp, row_ok, qpos, offs_m = _tile_queries(pos_ptr, pos_stride, T, pid_m, GROUP, BLOCK_M)
+    tok, grp, row_ok, offs_m = _tile_rows(T, pid_m, GROUP, BLOCK_M)
+    qpos = _query_positions(pos_ptr, pos_stride, tok, row_ok)
     head = kvh * GROUP + grp
     lo, hi = _tile_key_range(pos_ptr, pos_stride, T, rows, window, qpos, row_ok, HAS_WINDOW)
     if SPLIT:
@@ -224,7 +226,8 @@ def _combine_splits_kernel(
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b, kvh = _batch_and_head(pid_bh, n_kv_heads)
-    tok, grp, row_ok, qpos, offs_m = _tile_queries(pos_ptr, pos_stride, T, pid_m, GROUP, BLOCK_M)
+    tok, grp, row_ok, offs_m = _tile_rows(T, pid_m, GROUP, BLOCK_M)
+    qpos = _query_positions(pos_ptr, pos_stride, tok, row_ok)
     head = kvh * GROUP + grp
     lo, hi = _tile_key_range(pos_ptr, pos_stride, T, rows, window, qpos, row_ok, HAS_WINDOW)
     chunk, n_used = _split_plan(lo, hi, num_splits, MIN_SPLIT_KEYS, BLOCK_N)

@@ -55,12 +55,17 @@ The split count
 ---------------
 ``S`` sizes a grid axis and the partial buffers, so it is a host-side function of static things
 and of ``T`` (a SymInt in export, an int at launch), never of tensor contents:
-``S_max = clamp(ceil(programs / Hkv), 1, _MAX_SPLITS)`` capped by ``ceil(max_keys /
-_MIN_SPLIT_KEYS)`` (``max_keys``: ``pages_per_session * page_size`` flat, ``min(window, rows)``
-ring), ``programs = _PROGRAMS_PER_SM * SM count``; then ``S = ceil(S_max / T)``, so the launch
-holds about ``Hkv * S_max`` programs whatever ``T`` (one token: the GPU filled by one session's
-splits; 64 tokens: one split each). Only floor divisions, which export and AOTInductor keep
-symbolic (no guards, no ``Max``).
+``S = min(S_cap, ceil(S_all / T))`` with ``S_all = clamp(ceil(programs / Hkv), 1, _MAX_SPLITS)``,
+``programs = programs_per_sm * SM count`` (the launch's target, :class:`PagedLaunch`), and
+``S_cap = ceil(max_keys / min_split_keys)`` (``max_keys``: ``pages_per_session * page_size``
+flat, ``min(window, rows)`` ring; no cap where that is symbolic): the launch holds about ``Hkv *
+S_all`` programs whatever ``T`` (one token: the GPU filled by one session's splits; 64 tokens:
+one or two splits each), and no token is cut into more splits than its longest history can fill.
+The cap is applied after the division: applied before it (as until 2026-12-02), a 2048-row
+capacity capped ``S_all`` at 32 and a 16-token step got 2 splits, 256 programs on 132 SMs
+(measured on the H200: 1.7 TB/s of K/V read at 16 sessions of 1k history). ``min`` and the
+combine's gate (1 where ``S > 1``) are written with floor divisions only, which export and
+AOTInductor keep symbolic (no guards, no ``Max``/``Min``): :func:`_at_most`, :func:`_gate`.
 
 Limits: a token is one program per (kv head, split), so a chunked-prefill token reads its history
 on its own (tokens of one session share it only through the cache); a ring token whose slot holds
@@ -69,6 +74,7 @@ nothing (``session_lengths[slot] == 0``) gets zeros where the portable step give
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -86,11 +92,11 @@ from offgraph_export.kernels.portable import dense_copy
 from offgraph_export.kernels.triton_base import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
 from offgraph_export.kernels.triton_base import pow2_at_least, sm_count, tl, triton
 
-__all__ = ["triton_paged_update_and_attend", "OP_NAME"]
+__all__ = ["triton_paged_update_and_attend", "OP_NAME", "PagedLaunch", "default_launch", "paged_step"]
 
 OP_NAME = "offgraph_lowered::triton_paged_update_and_attend"
 
-#: Attention programs a launch aims for, per SM (sets ``S_max``: see the module docstring).
+#: Attention programs a launch aims for, per SM (sets ``S_all``: see the module docstring).
 _PROGRAMS_PER_SM = 4
 #: Upper bound on the splits of a token's key range (sizes the partial buffers).
 _MAX_SPLITS = 64
@@ -108,8 +114,27 @@ _MAX_BLOCK_N = 64
 _NUM_WARPS = 2
 _NUM_STAGES = 2
 _NUM_STAGES_SMALL_HEADS = 3
-#: Keeps the combine's gate in {0, 1} for any T below it (see :func:`_combine_gate`).
+#: Keeps the gates in {0, 1} for any argument below it (see :func:`_gate`).
 _BIG = 1 << 30
+
+
+@dataclass(frozen=True)
+class PagedLaunch:
+    """The attention kernel's launch settings (the split rule's inputs and Triton's). The step
+    uses :func:`default_launch`; ``scripts/sweep_paged_attention.py`` passes others."""
+
+    programs_per_sm: int
+    min_split_keys: int
+    max_block_n: int
+    num_warps: int
+    num_stages: int
+    num_stages_small_heads: int
+
+
+def default_launch() -> PagedLaunch:
+    """The settings above (read when a step is traced, so tests can patch them)."""
+    return PagedLaunch(_PROGRAMS_PER_SM, _MIN_SPLIT_KEYS, _MAX_BLOCK_N, _NUM_WARPS, _NUM_STAGES,
+                       _NUM_STAGES_SMALL_HEADS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,28 +361,44 @@ def _paged_combine_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-def _max_splits(hkv: int, max_keys, device: torch.device) -> int:
-    """``S_max``: splits of a one-token step, so that ``Hkv * S_max`` programs come to
-    :data:`_PROGRAMS_PER_SM` per SM, within ``[1, _MAX_SPLITS]`` and no more than a history of
-    ``max_keys`` keys (a static bound, or a SymInt: then unused) can fill with
-    :data:`_MIN_SPLIT_KEYS` each."""
-    programs = _PROGRAMS_PER_SM * sm_count(device)
-    splits = max(1, min(_MAX_SPLITS, -(-programs // max(1, hkv))))
-    if isinstance(max_keys, int):
-        splits = min(splits, max(1, -(-max_keys // _MIN_SPLIT_KEYS)))
-    return splits
+def _all_splits(hkv: int, device: torch.device, programs_per_sm: int) -> int:
+    """``S_all``: splits per token of a one-token step, so that ``Hkv * S_all`` programs come to
+    ``programs_per_sm`` per SM, within ``[1, _MAX_SPLITS]``."""
+    programs = programs_per_sm * sm_count(device)
+    return max(1, min(_MAX_SPLITS, -(-programs // max(1, hkv))))
 
 
-def _num_splits(t, s_max: int):
-    """``S = ceil(S_max / T)`` (an int, or a SymInt expression of a symbolic ``T``): the splits
-    per token, so that a launch holds about ``Hkv * S_max`` programs for any ``T >= 1``."""
-    return (s_max + t - 1) // t
+def _split_cap(max_keys, min_split_keys: int) -> int | None:
+    """``S_cap``: the splits the longest history (``max_keys`` keys, a static bound; None where it
+    is a SymInt) can fill with ``min_split_keys`` each."""
+    return max(1, -(-max_keys // min_split_keys)) if isinstance(max_keys, int) else None
 
 
-def _combine_gate(t, s_max: int):
-    """1 if ``S = ceil(S_max / T) > 1`` (that is ``T <= S_max - 1``) else 0, for ``1 <= T <
-    _BIG``, with floor division only (an expression export keeps symbolic: no guard)."""
-    return (s_max - 1 + _BIG - t) // _BIG
+def _gate(x):
+    """1 if ``x >= 1`` else 0, for ``-_BIG < x <= _BIG`` (an int or a SymInt expression), with
+    floor division only."""
+    return (x + _BIG - 1) // _BIG
+
+
+def _at_most(a, cap: int | None):
+    """``min(a, cap)`` for ``a`` an int or a SymInt expression within ``(-_BIG, _BIG]`` of
+    ``cap``, without ``Min`` (None: no cap)."""
+    if cap is None:
+        return a
+    return a - (a - cap) * _gate(a - cap)
+
+
+def _num_splits(t, s_all: int, cap: int | None):
+    """``S = min(S_cap, ceil(S_all / T))`` (an int, or a SymInt expression of a symbolic ``T``)."""
+    return _at_most((s_all + t - 1) // t, cap)
+
+
+def _combine_gate(t, s_all: int, cap: int | None):
+    """1 if ``S > 1`` else 0 for ``1 <= T < _BIG``: ``S_cap > 1`` (static) and ``ceil(S_all /
+    T) > 1``, that is ``T <= S_all - 1``."""
+    if cap is not None and cap <= 1:
+        return 0
+    return _gate(s_all - t)
 
 
 def _statically_zero(n) -> bool:
@@ -382,6 +423,29 @@ def _paged_step(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """Body of the triton_op (``window`` None: a flat layer)."""
+    return paged_step(q, k, v, position, k_store, v_store, token_slots, token_rows, page_table,
+                      session_lengths, window, scale, out_dtype)
+
+
+def paged_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    position: torch.Tensor,
+    k_store: torch.Tensor,
+    v_store: torch.Tensor,
+    token_slots: torch.Tensor,
+    token_rows: torch.Tensor,
+    page_table: torch.Tensor,
+    session_lengths: torch.Tensor,
+    window: Optional[int],
+    scale: float,
+    out_dtype: torch.dtype,
+    settings: Optional[PagedLaunch] = None,
+) -> torch.Tensor:
+    """The op's host code, with the launch ``settings`` (default :func:`default_launch`):
+    eager callers (the sweep script) pass others."""
+    settings = settings or default_launch()
     b, hq, t, _ = q.shape
     hkv = k.shape[1]
     torch._check(b == 1, lambda: "a batched step packs its sessions along the tokens: batch must be 1")
@@ -415,7 +479,7 @@ def _paged_step(
 
     launch = AttendLaunch.for_step(q, k, v, k_store, v_store, window, scale)
     group = launch.group
-    block_n = min(launch.block_n, _MAX_BLOCK_N)
+    block_n = min(launch.block_n, settings.max_block_n)
     block_m = pow2_at_least(group)
     out = torch.empty((1, hq, t, launch.v_dim), dtype=out_dtype, device=q.device)
     if _statically_zero(t):
@@ -430,9 +494,10 @@ def _paged_step(
         BLOCK_D=launch.block_d, BLOCK_DV=launch.block_dv, HAS_WINDOW=not flat,
     )
 
-    s_max = _max_splits(hkv, max_keys, q.device)
-    splits = _num_splits(t, s_max)
-    gate = _combine_gate(t, s_max)
+    s_all = _all_splits(hkv, q.device, settings.programs_per_sm)
+    cap = _split_cap(max_keys, settings.min_split_keys)
+    splits = _num_splits(t, s_all, cap)
+    gate = _combine_gate(t, s_all, cap)
     if _statically_zero(gate):
         # Never written: S is 1 and the attention kernel writes the output directly.
         part_acc, part_m, part_l = (torch.empty((1,), dtype=torch.float32, device=q.device) for _ in range(3))
@@ -453,16 +518,17 @@ def _paged_step(
         GROUP=group, HEAD_DIM=launch.head_dim, V_DIM=launch.v_dim,
         BLOCK_D=launch.block_d, BLOCK_DV=launch.block_dv, BLOCK_M=block_m, BLOCK_N=block_n,
         PAGE_SIZE=page_size, ONE_PAGE_PER_BLOCK=flat and block_n <= page_size,
-        MIN_SPLIT_KEYS=_MIN_SPLIT_KEYS, HAS_WINDOW=not flat,
+        MIN_SPLIT_KEYS=settings.min_split_keys, HAS_WINDOW=not flat,
         QK_FP32=launch.qk_fp32, PV_FP32=launch.pv_fp32,
-        num_warps=_NUM_WARPS,
-        num_stages=_NUM_STAGES_SMALL_HEADS if max(launch.block_d, launch.block_dv) <= 64 else _NUM_STAGES,
+        num_warps=settings.num_warps,
+        num_stages=(settings.num_stages_small_heads if max(launch.block_d, launch.block_dv) <= 64
+                    else settings.num_stages),
     )
     if not _statically_zero(gate):
         wrap_triton(_paged_combine_kernel)[(t * gate, hq, 1)](
             out, part_acc, part_m, part_l, out.stride(1), out.stride(2), hkv, splits,
             GROUP=group, V_DIM=launch.v_dim, BLOCK_DV=launch.block_dv,
-            BLOCK_S=pow2_at_least(s_max, floor=2), num_warps=4,
+            BLOCK_S=pow2_at_least(s_all if cap is None else min(s_all, cap), floor=2), num_warps=4,
         )
     return out
 
