@@ -246,13 +246,14 @@ def test_interp_matches_portable(case, monkeypatch):
 @interpreter_only
 @pytest.mark.parametrize(
     "sessions, min_split_keys, splits, combined",
-    [(((90, 1),), 16, 6, True), (((75, 1), (33, 1)), 16, 6, True), (MIXED, 16, 5, True), (MIXED, 96, 1, False)],
+    [(((90, 1),), 16, 64, True), (((75, 1), (33, 1)), 16, 32, True), (MIXED, 16, 5, True), (MIXED, 96, 1, False)],
     ids=["one_decoder", "two_decoders", "mixed", "mixed_one_split"],
 )
 def test_interp_split_launches(monkeypatch, sessions, min_split_keys, splits, combined):
-    """The launches a step makes: the attention grid ``(T, Hkv, min(S_cap, ceil(S_all / T)))``
-    (``S_all`` 64 here: 128 SMs counted on cpu, 4 programs each, 2 kv heads; ``S_cap`` 6: 96
-    positions in 16-key splits, or 1 with 96-key splits), the combine only when that is > 1, and
+    """The launches a step makes: the attention grid ``(T, Hkv, ceil(S_all / T))`` (``S_all`` 64
+    here: 128 SMs counted on cpu, 4 programs each, 2 kv heads; most splits of a 90-position history
+    find an empty range), or ``S`` 1 where the capacity (96 positions) fits one 96-key split; the
+    combine only when ``S`` > 1, and
     with several splits the partial rows of every split written (their buffers are NaN-filled
     first: an empty split leaves ``(-inf, 0, 0)``), where the output is still the portable one."""
     case = Case("spy", sessions, min_split_keys=min_split_keys)
@@ -395,26 +396,22 @@ def test_traced_launches_keep_the_split_count_symbolic():
 
 @needs_triton
 def test_split_rule():
-    """``S = min(S_cap, ceil(S_all / T))``: launches of about ``Hkv * S_all`` programs for any T
-    (the cap applied after the division, so a short capacity does not starve wide steps), the
-    combine gate 1 exactly when S > 1, written with floor divisions only (the same values for
-    ints as Python's ``min``), and ``S_all``, ``S_cap`` from static things only."""
+    """``S = ceil(S_all / T)``: launches of about ``Hkv * S_all`` programs for any T, 1 where the
+    capacity fits one split, the combine gate 1 exactly when S > 1, and ``S_all`` from static
+    things only."""
     for s_all in (1, 2, 5, 33, 64):
-        for cap in (None, 1, 2, 6, 32, 100):
-            for t in range(1, 300):
-                s = paged_attend._num_splits(t, s_all, cap)
-                want = math.ceil(s_all / t) if cap is None else min(cap, math.ceil(s_all / t))
-                assert s == want and s >= 1, (t, s_all, cap)
-                assert paged_attend._combine_gate(t, s_all, cap) == (1 if s > 1 else 0), (t, s_all, cap)
+        for t in range(1, 300):
+            s = paged_attend._num_splits(t, s_all, False)
+            assert s == math.ceil(s_all / t) and s >= 1, (t, s_all)
+            assert paged_attend._combine_gate(t, s_all, False) == (1 if s > 1 else 0), (t, s_all)
+            assert paged_attend._num_splits(t, s_all, True) == 1 and paged_attend._combine_gate(t, s_all, True) == 0
     cpu = torch.device("cpu")  # 128 SMs counted where there is no GPU
     assert paged_attend._all_splits(8, cpu, 4) == min(paged_attend._MAX_SPLITS, 4 * 128 // 8)
     assert paged_attend._all_splits(8, cpu, 1) == 16
     assert paged_attend._all_splits(1, cpu, 4) == paged_attend._MAX_SPLITS
-    assert paged_attend._split_cap(300, 64) == math.ceil(300 / 64)  # a short ring
-    assert paged_attend._split_cap(1, 64) == 1
+    assert paged_attend._one_split(64, 64) and not paged_attend._one_split(65, 64)
     # the 1B shape at a 2048-row capacity: 16 tokens get 4 splits, not ceil(32 / 16) = 2
-    h200 = paged_attend._all_splits(8, cpu, 4)
-    assert paged_attend._num_splits(16, h200, paged_attend._split_cap(2048, 64)) == 4
+    assert paged_attend._num_splits(16, paged_attend._all_splits(8, cpu, 4), paged_attend._one_split(2048, 64)) == 4
 
 
 def test_window_must_be_positive():

@@ -55,17 +55,19 @@ The split count
 ---------------
 ``S`` sizes a grid axis and the partial buffers, so it is a host-side function of static things
 and of ``T`` (a SymInt in export, an int at launch), never of tensor contents:
-``S = min(S_cap, ceil(S_all / T))`` with ``S_all = clamp(ceil(programs / Hkv), 1, _MAX_SPLITS)``,
-``programs = programs_per_sm * SM count`` (the launch's target, :class:`PagedLaunch`), and
-``S_cap = ceil(max_keys / min_split_keys)`` (``max_keys``: ``pages_per_session * page_size``
-flat, ``min(window, rows)`` ring; no cap where that is symbolic): the launch holds about ``Hkv *
-S_all`` programs whatever ``T`` (one token: the GPU filled by one session's splits; 64 tokens:
-one or two splits each), and no token is cut into more splits than its longest history can fill.
-The cap is applied after the division: applied before it (as until 2026-12-02), a 2048-row
-capacity capped ``S_all`` at 32 and a 16-token step got 2 splits, 256 programs on 132 SMs
-(measured on the H200: 1.7 TB/s of K/V read at 16 sessions of 1k history). ``min`` and the
-combine's gate (1 where ``S > 1``) are written with floor divisions only, which export and
-AOTInductor keep symbolic (no guards, no ``Max``/``Min``): :func:`_at_most`, :func:`_gate`.
+``S = ceil(S_all / T)`` with ``S_all = clamp(ceil(programs / Hkv), 1, _MAX_SPLITS)``,
+``programs = programs_per_sm * SM count`` (the launch's target, :class:`PagedLaunch`), so a launch
+holds about ``Hkv * S_all`` programs whatever ``T`` (one token: the GPU filled by one session's
+splits; 64 tokens: one split each). Where the longest history a token can have (``max_keys``:
+``pages_per_session * page_size`` flat, ``min(window, rows)`` ring) fits one split of
+``min_split_keys`` keys, ``S`` is the constant 1 and no combine is launched. Otherwise the
+capacity does not cap ``S``: splits past a token's history find an empty range and cost an
+early-exiting program each. Capping ``S_all`` by the capacity before dividing by ``T`` (as until
+2026-12-02) gave a 2048-row capacity 32 splits at one token and a 16-token step 2 splits, 256
+programs on 132 SMs (1.7 TB/s of K/V read on the H200 at 16 sessions of 1k history); a cap
+after the division (``min(S_cap, ceil(S_all / T))`` written with floor divisions) failed to
+re-trace on torch 2.11 (sympy: "exponent must be non-negative"). Only one floor division by
+``T``, which export and AOTInductor keep symbolic (no guards, no ``Max``/``Min``).
 
 Limits: a token is one program per (kv head, split), so a chunked-prefill token reads its history
 on its own (tokens of one session share it only through the cache); a ring token whose slot holds
@@ -114,7 +116,7 @@ _MAX_BLOCK_N = 64
 _NUM_WARPS = 2
 _NUM_STAGES = 2
 _NUM_STAGES_SMALL_HEADS = 3
-#: Keeps the gates in {0, 1} for any argument below it (see :func:`_gate`).
+#: Keeps the combine's gate in {0, 1} for any T below it (see :func:`_combine_gate`).
 _BIG = 1 << 30
 
 
@@ -368,37 +370,22 @@ def _all_splits(hkv: int, device: torch.device, programs_per_sm: int) -> int:
     return max(1, min(_MAX_SPLITS, -(-programs // max(1, hkv))))
 
 
-def _split_cap(max_keys, min_split_keys: int) -> int | None:
-    """``S_cap``: the splits the longest history (``max_keys`` keys, a static bound; None where it
-    is a SymInt) can fill with ``min_split_keys`` each."""
-    return max(1, -(-max_keys // min_split_keys)) if isinstance(max_keys, int) else None
+def _one_split(max_keys, min_split_keys: int) -> bool:
+    """Whether the longest history (``max_keys`` keys, a static bound; a SymInt never counts)
+    fits one split of ``min_split_keys`` keys: then ``S`` is the constant 1."""
+    return isinstance(max_keys, int) and max_keys <= min_split_keys
 
 
-def _gate(x):
-    """1 if ``x >= 1`` else 0, for ``-_BIG < x <= _BIG`` (an int or a SymInt expression), with
-    floor division only."""
-    return (x + _BIG - 1) // _BIG
+def _num_splits(t, s_all: int, one_split: bool):
+    """``S = ceil(S_all / T)`` (an int, or a SymInt expression of a symbolic ``T``), 1 where
+    ``one_split``."""
+    return 1 if one_split else (s_all + t - 1) // t
 
 
-def _at_most(a, cap: int | None):
-    """``min(a, cap)`` for ``a`` an int or a SymInt expression within ``(-_BIG, _BIG]`` of
-    ``cap``, without ``Min`` (None: no cap)."""
-    if cap is None:
-        return a
-    return a - (a - cap) * _gate(a - cap)
-
-
-def _num_splits(t, s_all: int, cap: int | None):
-    """``S = min(S_cap, ceil(S_all / T))`` (an int, or a SymInt expression of a symbolic ``T``)."""
-    return _at_most((s_all + t - 1) // t, cap)
-
-
-def _combine_gate(t, s_all: int, cap: int | None):
-    """1 if ``S > 1`` else 0 for ``1 <= T < _BIG``: ``S_cap > 1`` (static) and ``ceil(S_all /
-    T) > 1``, that is ``T <= S_all - 1``."""
-    if cap is not None and cap <= 1:
-        return 0
-    return _gate(s_all - t)
+def _combine_gate(t, s_all: int, one_split: bool):
+    """1 if ``S > 1`` else 0 for ``1 <= T < _BIG`` (``T <= S_all - 1``), with floor division
+    only (an expression export keeps symbolic: no guard)."""
+    return 0 if one_split else (s_all - 1 + _BIG - t) // _BIG
 
 
 def _statically_zero(n) -> bool:
@@ -495,9 +482,9 @@ def paged_step(
     )
 
     s_all = _all_splits(hkv, q.device, settings.programs_per_sm)
-    cap = _split_cap(max_keys, settings.min_split_keys)
-    splits = _num_splits(t, s_all, cap)
-    gate = _combine_gate(t, s_all, cap)
+    one_split = _one_split(max_keys, settings.min_split_keys)
+    splits = _num_splits(t, s_all, one_split)
+    gate = _combine_gate(t, s_all, one_split)
     if _statically_zero(gate):
         # Never written: S is 1 and the attention kernel writes the output directly.
         part_acc, part_m, part_l = (torch.empty((1,), dtype=torch.float32, device=q.device) for _ in range(3))
@@ -528,7 +515,7 @@ def paged_step(
         wrap_triton(_paged_combine_kernel)[(t * gate, hq, 1)](
             out, part_acc, part_m, part_l, out.stride(1), out.stride(2), hkv, splits,
             GROUP=group, V_DIM=launch.v_dim, BLOCK_DV=launch.block_dv,
-            BLOCK_S=pow2_at_least(s_all if cap is None else min(s_all, cap), floor=2), num_warps=4,
+            BLOCK_S=pow2_at_least(s_all, floor=2), num_warps=4,
         )
     return out
 
