@@ -236,6 +236,29 @@ def test_runner_outputs_match_eager_and_leaving_frees_pages(loaded_batched, exam
         runner.step({a: [1]})
 
 
+def test_padded_steps_give_each_session_its_own_outputs(loaded_batched, example_bundle):
+    """A step padded to a wider width (as a CUDA graph of a captured width pads it: scratch
+    tokens of slot 0 at position 0) cuts the outputs per session before the padding and gives
+    each session what its eager oracle gives; the padding's outputs reach no one."""
+    from offgraph_export.runtime.batched import BatchedRunner
+
+    runner = BatchedRunner(loaded_batched)
+    runner._width = lambda total: min(total + 3, loaded_batched.specs.manifest.max_write)  # pad as a graph would
+    manifest = loaded_batched.specs.manifest
+    a, b = runner.open(), runner.open()
+    oracles = {a: _oracle(example_bundle, manifest), b: _oracle(example_bundle, manifest)}
+    fed = {a: 0, b: 0}
+    for feeds in ({a: [5, 6, 7], b: [9]}, {a: [8], b: [10]}, {b: [11, 12], a: [13]}):
+        out = runner.step(feeds)
+        assert list(out) == list(feeds)
+        for sid, toks in feeds.items():
+            want = oracles[sid].step(example_bundle.make_inputs(torch.tensor([toks]), fed[sid]))[0]
+            assert out[sid][0].shape == want.shape, (sid, out[sid][0].shape, want.shape)
+            torch.testing.assert_close(out[sid][0], want, atol=1e-4, rtol=1e-4)
+            fed[sid] += len(toks)
+    assert runner.metrics().padded_tokens == 9 and runner.length(a) == 5 and runner.length(b) == 4
+
+
 def test_a_failed_step_commits_nothing_for_anyone(tmp_path):
     """A real failure inside the compiled program (``tiny_models.GuardedTokens``): every session's
     length, pages and storage bytes are as before the step, and the next step proceeds."""

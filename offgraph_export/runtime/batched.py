@@ -124,6 +124,7 @@ class BatchedRunner:
             raise OffgraphError(f"pool_pages={pool_pages!r} must be an int in [2, {paging.max_pool_pages}] (the scratch page included)")
         self.pool_pages = pages
         self.poison = poison
+        self._flat = manifest.has_flat  # a property over the layers: read once
         dtype = getattr(torch, manifest.storage_dtype)
         self.storage: list[torch.Tensor] = []
         for s in manifest.storage_inputs():
@@ -157,6 +158,9 @@ class BatchedRunner:
         self._host_table = torch.zeros(paging.slots, paging.pages_per_session, dtype=torch.int32, pin_memory=pin)
         self._host_lengths = torch.zeros(paging.slots, dtype=torch.int32, pin_memory=pin)
         self._host_lengths[0] = 1  # the scratch slot holds position 0 (padding tokens see their own row)
+        # numpy views of the staging buffers: a numpy store costs ~0.1 us, a tensor __setitem__ ~5
+        self._np_long, self._np_int = self._host_long.numpy(), self._host_int.numpy()
+        self._np_table, self._np_lengths = self._host_table.numpy(), self._host_lengths.numpy()
         self._copied = torch.cuda.Event() if pin else None
         self._graphs: dict[int, _StepGraph] | None = None
         if cuda_graphs:
@@ -193,8 +197,8 @@ class BatchedRunner:
         if self.poison:
             self._poison(session)
         self._free_pages.extend(reversed(session.pages))
-        self._host_table[session.slot].zero_()
-        self._host_lengths[session.slot] = 0
+        self._np_table[session.slot] = 0
+        self._np_lengths[session.slot] = 0
         self._free_slots.append(session.slot)
 
     def _poison(self, session: _Session) -> None:
@@ -245,13 +249,12 @@ class BatchedRunner:
         plan = self._admit(feeds)
         taken: list[tuple[_Session, list[int]]] = []
         try:
-            for session, n in plan:
-                need = self._pages_needed(session, n)
+            for session, _, need in plan:
                 if need:
                     new = [self._free_pages.pop() for _ in range(need)]
                     session.pages.extend(new)
                     taken.append((session, new))
-            total = sum(n for _, n in plan)
+            total = sum(n for _, n, _ in plan)
             width = self._width(total)
             self._fill(feeds, plan, width)
             outputs = self._launch(width)
@@ -263,43 +266,52 @@ class BatchedRunner:
             self._give_back(taken)
             self._failed += 1
             raise StepFailed(f"batched step of {len(plan)} sessions failed; no session was advanced: {first_line(exc)}") from exc
+        sizes = [n for _, n, _ in plan]
+        if width > total:
+            sizes.append(width - total)  # the padding tokens' outputs, dropped
+        # one split per output (a view per session), not a slice per session and output
+        per_output = [out.split(sizes, dim=1) if out.dim() > 1 else None for out in outputs]
         results: dict[int, list[torch.Tensor]] = {}
-        start = 0
-        for (sid, _), (session, n) in zip(feeds.items(), plan):
+        for i, (sid, (session, n, _)) in enumerate(zip(feeds, plan)):
             session.length += n
-            results[sid] = [out[:, start : start + n] if out.dim() > 1 else out for out in outputs]
-            start += n
+            results[sid] = [out if parts is None else parts[i] for out, parts in zip(outputs, per_output)]
         self._steps += 1
         return results
 
     def _pages_needed(self, session: _Session, tokens: int) -> int:
-        if not self.manifest.has_flat:
+        if not self._flat:
             return 0
         return max(0, pages_for(session.length + tokens, self.paging.page_size) - len(session.pages))
 
-    def _admit(self, feeds: Mapping[int, Sequence[int]]) -> list[tuple[_Session, int]]:
+    def _admit(self, feeds: Mapping[int, Sequence[int]]) -> list[tuple[_Session, int, int]]:
+        """``(session, tokens, new pages)`` per feed, or StepRefused with nothing changed."""
         try:
             if not feeds:
                 raise StepRefused("a step needs the tokens of at least one session")
             plan = []
-            total = 0
+            total = need = 0
+            vocab, capacity = self.vocab, self.manifest.max_capacity
             for sid, tokens in feeds.items():
-                session = self._session(sid)
+                session = self._sessions.get(sid)
+                if session is None:
+                    raise StepRefused(f"session {sid!r} is not open in this runner")
                 n = len(tokens)
                 if n < 1:
                     raise StepRefused(f"session {sid}: a step feeds at least one token")
-                bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab]
-                if bad:
-                    raise StepRefused(f"session {sid}: token {bad[0]!r} is outside [0, {self.vocab}) (the vocabulary)")
-                if self.manifest.has_flat and session.length + n > self.manifest.max_capacity:
+                if not (all(type(t) is int for t in tokens) and 0 <= min(tokens) and max(tokens) < vocab):
+                    bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+                    if bad:
+                        raise StepRefused(f"session {sid}: token {bad[0]!r} is outside [0, {vocab}) (the vocabulary)")
+                if self._flat and session.length + n > capacity:
                     raise StepRefused(
-                        f"session {sid}: {session.length} + {n} tokens exceed the max capacity of {self.manifest.max_capacity}"
+                        f"session {sid}: {session.length} + {n} tokens exceed the max capacity of {capacity}"
                     )
-                plan.append((session, n))
+                pages = self._pages_needed(session, n)
+                plan.append((session, n, pages))
                 total += n
+                need += pages
             if total > self.manifest.max_write:
                 raise StepRefused(f"the step carries {total} tokens; one step writes at most {self.manifest.max_write} (max_write)")
-            need = sum(self._pages_needed(s, n) for s, n in plan)
             if need > len(self._free_pages):
                 raise PoolExhausted(
                     f"the step needs {need} new pages and the pool of {self.pool_pages} pages of {self.paging.page_size} rows "
@@ -314,7 +326,7 @@ class BatchedRunner:
         for session, new in reversed(taken):
             del session.pages[len(session.pages) - len(new) :]
             self._free_pages.extend(reversed(new))
-            self._host_table[session.slot, len(session.pages) : len(session.pages) + len(new)] = 0
+            self._np_table[session.slot, len(session.pages) : len(session.pages) + len(new)] = 0
             session.table_rows = -1  # the device row may name pages given back: rewrite it next time
 
     def _width(self, total: int) -> int:
@@ -322,37 +334,46 @@ class BatchedRunner:
             return total
         return next(w for w in self._widths if w >= total)
 
-    def _fill(self, feeds: Mapping[int, Sequence[int]], plan: list[tuple[_Session, int]], width: int) -> None:
+    def _fill(self, feeds: Mapping[int, Sequence[int]], plan: list[tuple[_Session, int, int]], width: int) -> None:
         """The step's inputs on the host, then one copy each into the device buffers."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         rows: list[int] = []
-        flat = self.manifest.has_flat
+        flat = self._flat
         page_size = self.paging.page_size
         dirty = []  # slots whose page table changed: only their rows are copied
-        lengths = self._host_lengths
-        for tokens, (session, n) in zip(feeds.values(), plan):
+        lengths, table = self._np_lengths, self._np_table
+        for tokens, (session, n, _) in zip(feeds.values(), plan):
             ids.extend(tokens)
-            span = range(session.length, session.length + n)
-            positions.extend(span)
-            slots.extend([session.slot] * n)
-            if flat:
-                rows.extend(paged_row(session.pages, p, page_size) for p in span)
-                if session.table_rows != len(session.pages):
-                    self._host_table[session.slot, : len(session.pages)] = torch.tensor(session.pages, dtype=torch.int32)
-                    dirty.append(session)
+            start = session.length
+            if n == 1:  # a decode token
+                positions.append(start)
+                slots.append(session.slot)
+                rows.append(paged_row(session.pages, start, page_size) if flat else 0)
             else:
-                rows.extend([0] * n)
-            lengths[session.slot] = session.length + n
-        pad = width - len(ids)
-        self._padded += pad
+                span = range(start, start + n)
+                positions.extend(span)
+                slots.extend([session.slot] * n)
+                if flat:
+                    rows.extend(paged_row(session.pages, p, page_size) for p in span)
+                else:
+                    rows.extend([0] * n)
+            if flat and session.table_rows != len(session.pages):
+                table[session.slot, : len(session.pages)] = session.pages
+                dirty.append(session)
+            lengths[session.slot] = start + n
+        used = len(ids)
+        self._padded += width - used
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copies have left the staging buffers
-        self._host_long[0, :width] = torch.tensor(ids + [0] * pad, dtype=torch.int64)
-        self._host_long[1, :width] = torch.tensor(positions + [0] * pad, dtype=torch.int64)
-        self._host_int[0, :width] = torch.tensor(slots + [0] * pad, dtype=torch.int32)
-        self._host_int[1, :width] = torch.tensor(rows + [0] * pad, dtype=torch.int32)
+        host_long, host_int = self._np_long, self._np_int
+        host_long[0, :used] = ids
+        host_long[1, :used] = positions
+        host_int[0, :used] = slots
+        host_int[1, :used] = rows
+        host_long[:, used:width] = 0  # padding: the scratch slot's position 0, its row 0
+        host_int[:, used:width] = 0
         blocking = self._copied is None
         self._long[:, :width].copy_(self._host_long[:, :width], non_blocking=not blocking)
         self._int[:, :width].copy_(self._host_int[:, :width], non_blocking=not blocking)
