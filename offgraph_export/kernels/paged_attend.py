@@ -19,7 +19,7 @@ How it is put together
   and buffer sizes are integer expressions of them, no Python control flow on tensor values, no
   ``.item()``). What the device holds (positions, slots, page tables, lengths) is read only inside
   the kernels, so a CUDA graph replays the same grid for any batch contents.
-* Any strides of q/k/v/position: copied first into the one layout of their shape
+* Any strides of q/k/v/position (a step of several tokens): copied first into the one layout of their shape
   (:func:`~offgraph_export.kernels.portable.dense_copy`), because the strides the kernels are
   given are numbers fixed at export and AOTInductor may lay these tensors out otherwise (see
   :mod:`~offgraph_export.kernels.triton_attend`).
@@ -50,6 +50,14 @@ Kernels, launched in this order on one stream, per layer:
    empty or not, writes its partial ``(m, l, acc)`` rows (an empty one ``-inf, 0, 0``).
 3. ``_paged_combine_kernel``, grid ``(T, Hq)`` (empty when ``S == 1``): merges a head's ``S``
    partial rows, all loaded at once.
+
+A one-token step (``T`` the constant 1: the batched artifact's decode method, an eager call) takes
+two launches, as the single-session one-token step does (``kernels/attend_decode.py``): no write
+kernel (the attention kernel's split 0 writes the row and starts from the token's own key and
+value, ``FOLD_WRITE``) and no copies of q/k/v (only their head strides are read, fixed by the
+views that make them). On the H200 (2026-12-02, ``scripts/sweep_paged_attention.py``, Llama-1B
+attention at 1k history) the three-launch step took 12.1 us per layer for one session against
+6.6 us for the single-session two-launch step.
 
 The split count
 ---------------
@@ -145,6 +153,35 @@ def default_launch() -> PagedLaunch:
 
 
 @triton.jit
+def _row_destination(
+    slot, pos, r, n_outer, ring_rows, h, ks_0, ks_1, ks_2, vs_0, vs_1, vs_2,
+    PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):
+    """Offsets of a token's K and V row of kv head ``h`` in storage, and whether it has one:
+    flat (``n_outer`` pages), pool row ``r`` (page ``r // PAGE_SIZE``, row ``r % PAGE_SIZE``;
+    strides page, row in page, head); ring (``n_outer`` slots), row ``pos % ring_rows`` of slot
+    ``slot`` (strides slot, head, row). A destination outside the storage is not ok (offset 0).
+
+    Values only, no pointers, and the callers load its inputs in their own bodies: a store's
+    address made from a helper call's result makes torch's mutation analysis mark every pointer
+    argument of that call as written (``attend_common._tile_rows``)."""
+    if HAS_WINDOW:
+        ok = (slot >= 0) & (slot < n_outer) & (pos >= 0)
+        slot = tl.where(ok, slot, 0)
+        row = tl.where(ok, pos % ring_rows, 0)
+        k_dst = slot * ks_0 + h * ks_1 + row * ks_2
+        v_dst = slot * vs_0 + h * vs_1 + row * vs_2
+    else:
+        ok = (r >= 0) & (r < n_outer * PAGE_SIZE)
+        r = tl.where(ok, r, 0)
+        page = r // PAGE_SIZE
+        within = r % PAGE_SIZE
+        k_dst = page * ks_0 + within * ks_1 + h * ks_2
+        v_dst = page * vs_0 + within * vs_1 + h * vs_2
+    return k_dst, v_dst, ok
+
+
+@triton.jit
 def _paged_write_kernel(
     k_ptr, v_ptr, pos_ptr, slots_ptr, rows_ptr, k_store_ptr, v_store_ptr,
     sk_h, sk_t, sk_d,
@@ -164,22 +201,13 @@ def _paged_write_kernel(
     runtime never passes) is dropped rather than written over memory that is not its own."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
-    if HAS_WINDOW:
-        slot = tl.load(slots_ptr + t * slots_stride).to(tl.int64)
-        pos = tl.load(pos_ptr + t * pos_stride).to(tl.int64)
-        ok = (slot >= 0) & (slot < n_outer) & (pos >= 0)
-        slot = tl.where(ok, slot, 0)
-        row = tl.where(ok, pos % ring_rows, 0)
-        k_dst = slot * ks_0 + h * ks_1 + row * ks_2
-        v_dst = slot * vs_0 + h * vs_1 + row * vs_2
-    else:
-        r = tl.load(rows_ptr + t * rows_stride).to(tl.int64)
-        ok = (r >= 0) & (r < n_outer * PAGE_SIZE)
-        r = tl.where(ok, r, 0)
-        page = r // PAGE_SIZE
-        within = r % PAGE_SIZE
-        k_dst = page * ks_0 + within * ks_1 + h * ks_2
-        v_dst = page * vs_0 + within * vs_1 + h * vs_2
+    # loaded here, not in a helper: see _row_destination
+    slot = tl.load(slots_ptr + t * slots_stride).to(tl.int64)
+    pos = tl.load(pos_ptr + t * pos_stride).to(tl.int64)
+    r = tl.load(rows_ptr + t * rows_stride).to(tl.int64)
+    k_dst, v_dst, ok = _row_destination(
+        slot, pos, r, n_outer, ring_rows, h, ks_0, ks_1, ks_2, vs_0, vs_1, vs_2, PAGE_SIZE, HAS_WINDOW,
+    )
 
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < tl.where(ok, HEAD_DIM, 0)
@@ -219,12 +247,14 @@ def _token_key_range(
 @triton.jit
 def _paged_attend_kernel(
     q_ptr, k_store_ptr, v_store_ptr, pos_ptr, slots_ptr, pt_ptr, len_ptr, out_ptr,
-    part_acc_ptr, part_m_ptr, part_l_ptr,
+    part_acc_ptr, part_m_ptr, part_l_ptr, k_ptr, v_ptr, rows_ptr,
     sq_h, sq_t, sq_d,
     ks_0, ks_1, ks_2,
     vs_0, vs_1, vs_2,
     so_h, so_t,
-    pos_stride, slots_stride, pt_s0, pt_s1, len_stride,
+    sk_h, sk_t, sk_d,
+    sv_h, sv_t, sv_d,
+    pos_stride, slots_stride, pt_s0, pt_s1, len_stride, rows_stride,
     n_slots, n_pages, span, ring_rows, window, n_kv_heads, qk_scale, num_splits,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
@@ -234,6 +264,7 @@ def _paged_attend_kernel(
     MIN_SPLIT_KEYS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     QK_FP32: tl.constexpr, PV_FP32: tl.constexpr,
+    FOLD_WRITE: tl.constexpr,
 ):
     """Program (token t, kv head h, split s): online-softmax attention of token t's ``GROUP``
     query heads of kv head h over split s of the token's key range (:func:`_token_key_range`).
@@ -243,7 +274,15 @@ def _paged_attend_kernel(
     end (and, against a corrupt table, page ids outside the pool): keys outside load as 0 and
     score -inf before the max. ``num_splits == 1``: the output is written here; otherwise the
     split's unnormalized ``(m, l, acc)`` rows go to the partial buffers at
-    ``((t * Hkv + h) * num_splits + s) * GROUP + g``, an empty split's as ``(-inf, 0, 0)``."""
+    ``((t * Hkv + h) * num_splits + s) * GROUP + g``, an empty split's as ``(-inf, 0, 0)``.
+
+    ``FOLD_WRITE`` (a one-token step: ``T`` the constant 1, so the token is its session's only
+    new row): no write kernel runs before this one. Split 0 writes the token's row (as
+    ``_paged_write_kernel`` would, dropped where its destination is outside the storage) and
+    starts its online softmax from the token's own key and value, taken from ``k``/``v`` rounded
+    to the storage dtype (as the stored row will be); the splits read the stored positions
+    ``[lo, p)``, of which none is the row being written (flat: row ``p`` was never written
+    before; ring: row ``p % rows`` held ``p - rows < lo``)."""
     t = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -251,6 +290,10 @@ def _paged_attend_kernel(
         pos_ptr, slots_ptr, len_ptr, t, pos_stride, slots_stride, len_stride,
         n_slots, span, ring_rows, window, HAS_WINDOW,
     )
+    if FOLD_WRITE:
+        p_own = tl.load(pos_ptr + t * pos_stride).to(tl.int32)
+        own = (hi > lo) & (hi - 1 == p_own)  # the token's own position is the last of its range
+        hi = tl.where(own, hi - 1, hi)
     k_lo, k_hi, n_used = _split_keys(lo, hi, split, num_splits, MIN_SPLIT_KEYS, BLOCK_N)
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -278,6 +321,27 @@ def _paged_attend_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    if FOLD_WRITE:
+        first = split == 0
+        new_key = tl.load(k_ptr + kvh * sk_h + t * sk_t + offs_d * sk_d, mask=d_ok, other=0.0)
+        new_key = new_key.to(k_store_ptr.dtype.element_ty)
+        new_val = tl.load(v_ptr + kvh * sv_h + t * sv_t + offs_dv * sv_d, mask=dv_ok, other=0.0)
+        new_val = new_val.to(v_store_ptr.dtype.element_ty)
+        w_slot = tl.load(slots_ptr + t * slots_stride).to(tl.int64)  # loaded here: see _row_destination
+        w_pos = tl.load(pos_ptr + t * pos_stride).to(tl.int64)
+        w_row = tl.load(rows_ptr + t * rows_stride).to(tl.int64)
+        k_dst, v_dst, dst_ok = _row_destination(
+            w_slot, w_pos, w_row, n_slots if HAS_WINDOW else n_pages, ring_rows, kvh,
+            ks_0, ks_1, ks_2, vs_0, vs_1, vs_2, PAGE_SIZE, HAS_WINDOW,
+        )
+        write = first & dst_ok
+        tl.store(k_store_ptr + k_dst + offs_d, new_key, mask=offs_d < tl.where(write, HEAD_DIM, 0))
+        tl.store(v_store_ptr + v_dst + offs_dv, new_val, mask=offs_dv < tl.where(write, V_DIM, 0))
+        s_new = tl.sum(q.to(tl.float32) * new_key.to(tl.float32)[None, :], axis=1) * qk_scale
+        seen = row_ok & first & own
+        m_i = tl.where(seen, s_new.to(tl.float32), float("-inf"))
+        l_i = tl.where(seen, 1.0, 0.0)
+        acc = l_i[:, None] * new_val.to(tl.float32)[None, :]
     for start in range(k_lo, k_hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         if HAS_WINDOW:
@@ -457,9 +521,16 @@ def paged_step(
     for dim in range(3):
         torch._check(k_store.shape[dim] == v_store.shape[dim], lambda: "k and v storage must agree but for the head dim")
     n_outer = k_store.shape[0]  # flat: pages; ring: slots
-    # Strides become numbers at export: copy into the one layout of the shape (module docstring).
-    q, k, v = dense_copy(q), dense_copy(k), dense_copy(v)
-    pos = dense_copy(position).reshape(-1)
+    one_token = isinstance(t, int) and t == 1
+    if one_token:
+        # One token (the decode method, an eager call): the kernels use only the head and head-dim
+        # strides, which the views making q/k/v fix in any trace (kernels/triton_attend.py); no
+        # copy, and the row write is folded into the attention kernel (FOLD_WRITE).
+        pos = position.reshape(-1)
+    else:
+        # Strides become numbers at export: copy into the one layout of the shape (module docstring).
+        q, k, v = dense_copy(q), dense_copy(k), dense_copy(v)
+        pos = dense_copy(position).reshape(-1)
     torch._check(pos.shape[0] == t, lambda: "position must hold one entry per token")
     torch._check(token_slots.shape[0] == t, lambda: "token_slots must hold one entry per token")
     torch._check(token_rows.shape[0] == t, lambda: "token_rows must hold one entry per token")
@@ -473,13 +544,14 @@ def paged_step(
         return out
     wrap_triton = torch.library.wrap_triton
 
-    wrap_triton(_paged_write_kernel)[(t, hkv, 1)](
-        k, v, pos, token_slots, token_rows, k_store, v_store,
-        *k.stride()[1:], *v.stride()[1:], *k_store.stride()[:3], *v_store.stride()[:3],
-        pos.stride(0), token_slots.stride(0), token_rows.stride(0), n_outer, ring_rows,
-        PAGE_SIZE=page_size, HEAD_DIM=launch.head_dim, V_DIM=launch.v_dim,
-        BLOCK_D=launch.block_d, BLOCK_DV=launch.block_dv, HAS_WINDOW=not flat,
-    )
+    if not one_token:
+        wrap_triton(_paged_write_kernel)[(t, hkv, 1)](
+            k, v, pos, token_slots, token_rows, k_store, v_store,
+            *k.stride()[1:], *v.stride()[1:], *k_store.stride()[:3], *v_store.stride()[:3],
+            pos.stride(0), token_slots.stride(0), token_rows.stride(0), n_outer, ring_rows,
+            PAGE_SIZE=page_size, HEAD_DIM=launch.head_dim, V_DIM=launch.v_dim,
+            BLOCK_D=launch.block_d, BLOCK_DV=launch.block_dv, HAS_WINDOW=not flat,
+        )
 
     s_all = _all_splits(hkv, q.device, settings.programs_per_sm)
     one_split = _one_split(max_keys, settings.min_split_keys)
@@ -496,17 +568,18 @@ def paged_step(
 
     wrap_triton(_paged_attend_kernel)[(t, hkv, splits)](
         q, k_store, v_store, pos, token_slots, page_table, session_lengths, out,
-        part_acc, part_m, part_l,
+        part_acc, part_m, part_l, k, v, token_rows,
         *q.stride()[1:], *k_store.stride()[:3], *v_store.stride()[:3], out.stride(1), out.stride(2),
+        *k.stride()[1:], *v.stride()[1:],
         pos.stride(0), token_slots.stride(0), page_table.stride(0), page_table.stride(1),
-        session_lengths.stride(0),
+        session_lengths.stride(0), token_rows.stride(0),
         page_table.shape[0] if flat else n_outer, n_outer, max_keys if flat else 0, ring_rows,
         launch.window, hkv, launch.qk_scale, splits,
         GROUP=group, HEAD_DIM=launch.head_dim, V_DIM=launch.v_dim,
         BLOCK_D=launch.block_d, BLOCK_DV=launch.block_dv, BLOCK_M=block_m, BLOCK_N=block_n,
         PAGE_SIZE=page_size, ONE_PAGE_PER_BLOCK=flat and block_n <= page_size,
         MIN_SPLIT_KEYS=settings.min_split_keys, HAS_WINDOW=not flat,
-        QK_FP32=launch.qk_fp32, PV_FP32=launch.pv_fp32,
+        QK_FP32=launch.qk_fp32, PV_FP32=launch.pv_fp32, FOLD_WRITE=one_token,
         num_warps=settings.num_warps,
         num_stages=(settings.num_stages_small_heads if max(launch.block_d, launch.block_dv) <= 64
                     else settings.num_stages),
