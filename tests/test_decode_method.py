@@ -205,6 +205,29 @@ def test_decode_rope_folds_llama_rotary_embedding_into_the_attention_call(tmp_pa
     assert not decode_rope(fixed).modified
 
 
+def test_decode_rope_folds_into_the_batched_artifacts_paged_attention(tmp_path):
+    """The same fold for a batched artifact (``--max-sessions``): each layer's one-token paged
+    attention call takes the unrotated q and k and the step's rows, and its kernels are the
+    folded attention and the combine (no write kernel, no rotary nodes)."""
+    pytest.importorskip("triton")
+    transformers = pytest.importorskip("transformers")
+    from tests.test_frontend_hf import COMMON
+
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)).save_pretrained(tmp_path)
+    bundle = load_bundle(f"hf:{tmp_path}")
+    config = bundle.cache_config.with_overrides(max_sessions=4, page_size=8)
+    ep = export_model(bundle.model.requires_grad_(False), bundle.example_inputs, bundle.token_dims, config.max_write)
+    program = run_passes(ep, bundle.example_inputs, config, "triton", decode_method=True, decode_rope=True)
+    assert program.manifest.paging is not None
+    assert program.pass_results["decode_rope"].produced == 3
+    decode = program.pass_results["decode_rope"].program
+    calls = [n for n in decode.graph.nodes if "paged_update_and_attend" in str(n.target)]
+    assert len(calls) == 3 and all(set(n.kwargs) == {"rope_cos", "rope_sin"} for n in calls)
+    assert not any(n.target is torch.ops.aten.neg.default for n in decode.graph.nodes)
+    assert _kernel_names(program.decode) == {"_paged_attend_kernel", "_paged_combine_kernel"}
+    assert "_paged_write_kernel" in _kernel_names(program.stripped)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("seed", [0, 1])

@@ -95,6 +95,9 @@ def _all_launches() -> None:
                                 i32(3, 64), i32(3), None, 0.25, torch.float32)
         paged_attend.paged_step(q, k, v, pos, torch.zeros(3, 2, 8, 16), torch.zeros(3, 2, 8, 16), i32(t), i32(t),
                                 i32(3, 4), i32(3), 4, 0.25, torch.float32)
+        if t == 1:  # the rotary fold of the paged one-token kernel
+            paged_attend.paged_step(q, k, v, pos, torch.zeros(5, 4, 2, 16), torch.zeros(5, 4, 2, 16), i32(t), i32(t),
+                                    i32(3, 64), i32(3), None, 0.25, torch.float32, None, torch.ones(16), torch.ones(16))
     x, w = torch.randn(1, 1, 64), torch.randn(256, 64)
     triton_gemv.gemv_launch(x, w, torch.ones(64), 1e-5, torch.randn(1, 1, 128), gated=True)
     triton_gemv.gemv_launch(x, w, torch.ones(64), 1e-5, torch.randn(1, 1, 256))

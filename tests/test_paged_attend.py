@@ -290,6 +290,60 @@ def test_interp_split_launches(monkeypatch, sessions, min_split_keys, splits, co
         assert launches[attend + 1][1] == (t, case.hq, 1), launches
 
 
+def _rope_rows(d: int, gen: torch.Generator, device: str):
+    angles = torch.rand(d // 2, generator=gen) * 40.0
+    cos = torch.cat([angles.cos(), angles.cos()]).to(device).view(1, 1, d)
+    sin = torch.cat([angles.sin(), angles.sin()]).to(device).view(1, 1, d)
+    return cos, sin
+
+
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+
+def run_rope_case(case: Case, device: str, tol: dict) -> None:
+    """One-token steps given unrotated q/k and the step's rotary rows (``decode_rope``) against
+    the same kernel given q/k rotated eagerly: the same output, and the row written rotated."""
+    batch = Batch(case, device)
+    gen = torch.Generator().manual_seed(7)
+    k_ref, v_ref = batch.k_store.clone(), batch.v_store.clone()
+    for n in range(3):
+        q, k, v, position, inputs = batch.step([1])
+        cos, sin = _rope_rows(case.d, gen, device)
+        got = triton_paged_update_and_attend(q, k, v, position, batch.k_store, batch.v_store, *inputs, case.window,
+                                             case.d**-0.5, case.store_dtype, cos, sin)
+        want = triton_paged_update_and_attend(_rotated(q, cos, sin), _rotated(k, cos, sin), v, position, k_ref, v_ref,
+                                              *inputs, case.window, case.d**-0.5, case.store_dtype)
+        torch.testing.assert_close(got, want, msg=lambda m: f"{case.id} step {n}: {m}", **tol)
+        torch.testing.assert_close(batch.k_store, k_ref, equal_nan=True, **tol)
+        torch.testing.assert_close(batch.v_store, v_ref, atol=0, rtol=0, equal_nan=True)
+
+
+ROPE_CASES = [
+    Case("rope_flat", ((40, 1),), min_split_keys=None, max_block_n=None),
+    Case("rope_flat_splits", ((90, 1),)),
+    Case("rope_ring_wraps", ((50, 1),), window=8, max_write=8),
+]
+
+
+@interpreter_only
+@pytest.mark.parametrize("case", ROPE_CASES, ids=[c.id for c in ROPE_CASES])
+def test_interp_rope_in_the_one_token_paged_kernel(case):
+    run_rope_case(case, "cpu", dict(atol=1e-5, rtol=1e-5))
+
+
+@needs_triton
+def test_paged_rope_rows_are_refused_for_a_multi_token_step():
+    case = Case("rope_two", ((5, 2),))
+    batch = Batch(case, "cpu")
+    q, k, v, position, inputs = batch.step([2])
+    cos, sin = _rope_rows(case.d, torch.Generator().manual_seed(0), "cpu")
+    with pytest.raises(RuntimeError, match="one-token steps only"):
+        triton_paged_update_and_attend(q, k, v, position, batch.k_store, batch.v_store, *inputs, None, 0.25,
+                                       torch.float32, cos, sin)
+
+
 @interpreter_only
 def test_interp_out_of_range_writes_are_dropped():
     """A pool row or slot outside the storage (never passed by the runtime) is not written."""

@@ -96,6 +96,7 @@ from offgraph_export.kernels.attend_common import (
     _block_scores,
     _finite_max,
     _normalized,
+    _rotate_half,
     _split_keys,
 )
 from offgraph_export.kernels.portable import dense_copy
@@ -247,7 +248,7 @@ def _token_key_range(
 @triton.jit
 def _paged_attend_kernel(
     q_ptr, k_store_ptr, v_store_ptr, pos_ptr, slots_ptr, pt_ptr, len_ptr, out_ptr,
-    part_acc_ptr, part_m_ptr, part_l_ptr, k_ptr, v_ptr, rows_ptr,
+    part_acc_ptr, part_m_ptr, part_l_ptr, k_ptr, v_ptr, rows_ptr, cos_ptr, sin_ptr,
     sq_h, sq_t, sq_d,
     ks_0, ks_1, ks_2,
     vs_0, vs_1, vs_2,
@@ -264,7 +265,7 @@ def _paged_attend_kernel(
     MIN_SPLIT_KEYS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     QK_FP32: tl.constexpr, PV_FP32: tl.constexpr,
-    FOLD_WRITE: tl.constexpr,
+    FOLD_WRITE: tl.constexpr, ROPE: tl.constexpr,
 ):
     """Program (token t, kv head h, split s): online-softmax attention of token t's ``GROUP``
     query heads of kv head h over split s of the token's key range (:func:`_token_key_range`).
@@ -303,11 +304,13 @@ def _paged_attend_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     d_ok = offs_d < HEAD_DIM
     dv_ok = offs_dv < V_DIM
-    q = tl.load(
-        q_ptr + head[:, None] * sq_h + t * sq_t + offs_d[None, :] * sq_d,
-        mask=row_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
+    q_base = q_ptr + head[:, None] * sq_h + t * sq_t
+    q_mask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_base + offs_d[None, :] * sq_d, mask=q_mask, other=0.0)
+    if ROPE:  # a one-token step given its rotary rows (passes/decode_rope.py): rotate q here
+        cos = tl.load(cos_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        q = _rotate_half(q, q_base, offs_d[None, :], sq_d, q_mask, cos[None, :], sin[None, :], HEAD_DIM)
     if QK_FP32:
         q = q.to(tl.float32)
     if HAS_WINDOW:
@@ -323,7 +326,10 @@ def _paged_attend_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     if FOLD_WRITE:
         first = split == 0
-        new_key = tl.load(k_ptr + kvh * sk_h + t * sk_t + offs_d * sk_d, mask=d_ok, other=0.0)
+        k_row = k_ptr + kvh * sk_h + t * sk_t
+        new_key = tl.load(k_row + offs_d * sk_d, mask=d_ok, other=0.0)
+        if ROPE:
+            new_key = _rotate_half(new_key, k_row, offs_d, sk_d, d_ok, cos, sin, HEAD_DIM)
         new_key = new_key.to(k_store_ptr.dtype.element_ty)
         new_val = tl.load(v_ptr + kvh * sv_h + t * sv_t + offs_dv * sv_d, mask=dv_ok, other=0.0)
         new_val = new_val.to(v_store_ptr.dtype.element_ty)
@@ -472,10 +478,12 @@ def _paged_step(
     window: Optional[int],
     scale: float,
     out_dtype: torch.dtype,
+    rope_cos: Optional[torch.Tensor] = None,
+    rope_sin: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Body of the triton_op (``window`` None: a flat layer)."""
     return paged_step(q, k, v, position, k_store, v_store, token_slots, token_rows, page_table,
-                      session_lengths, window, scale, out_dtype)
+                      session_lengths, window, scale, out_dtype, rope_cos=rope_cos, rope_sin=rope_sin)
 
 
 def paged_step(
@@ -493,9 +501,13 @@ def paged_step(
     scale: float,
     out_dtype: torch.dtype,
     settings: Optional[PagedLaunch] = None,
+    rope_cos: Optional[torch.Tensor] = None,
+    rope_sin: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The op's host code, with the launch ``settings`` (default :func:`default_launch`):
-    eager callers (the sweep script) pass others."""
+    eager callers (the sweep script) pass others. ``rope_cos``/``rope_sin``: a one-token step's
+    rotary rows (``D`` values each, q's dtype); q and k then arrive unrotated and the attention
+    kernel rotates them (``passes/decode_rope.py``)."""
     settings = settings or default_launch()
     b, hq, t, _ = q.shape
     hkv = k.shape[1]
@@ -538,6 +550,17 @@ def paged_step(
     launch = AttendLaunch.for_step(q, k, v, k_store, v_store, window, scale)
     group = launch.group
     block_n = min(launch.block_n, settings.max_block_n)
+    rope = rope_cos is not None or rope_sin is not None
+    if rope:
+        d = launch.head_dim
+        torch._check(rope_cos is not None and rope_sin is not None, lambda: "rotary rows come as cos and sin")
+        torch._check(one_token, lambda: "rotary rows are taken by one-token steps only")
+        torch._check(d % 2 == 0 and k.shape[-1] == d, lambda: "rotary rows need an even head dim shared by q and k")
+        torch._check(rope_cos.numel() == d and rope_sin.numel() == d, lambda: f"rotary rows must hold {d} values")
+        torch._check(rope_cos.dtype == q.dtype == k.dtype == rope_sin.dtype, lambda: "rotary rows, q and k share a dtype")
+        cos, sin = rope_cos.reshape(d).contiguous(), rope_sin.reshape(d).contiguous()
+    else:
+        cos, sin = pos, pos  # unread without ROPE
     block_m = pow2_at_least(group)
     out = torch.empty((1, hq, t, launch.v_dim), dtype=out_dtype, device=q.device)
     if _statically_zero(t):
@@ -568,7 +591,7 @@ def paged_step(
 
     wrap_triton(_paged_attend_kernel)[(t, hkv, splits)](
         q, k_store, v_store, pos, token_slots, page_table, session_lengths, out,
-        part_acc, part_m, part_l, k, v, token_rows,
+        part_acc, part_m, part_l, k, v, token_rows, cos, sin,
         *q.stride()[1:], *k_store.stride()[:3], *v_store.stride()[:3], out.stride(1), out.stride(2),
         *k.stride()[1:], *v.stride()[1:],
         pos.stride(0), token_slots.stride(0), page_table.stride(0), page_table.stride(1),
@@ -579,7 +602,7 @@ def paged_step(
         BLOCK_D=launch.block_d, BLOCK_DV=launch.block_dv, BLOCK_M=block_m, BLOCK_N=block_n,
         PAGE_SIZE=page_size, ONE_PAGE_PER_BLOCK=flat and block_n <= page_size,
         MIN_SPLIT_KEYS=settings.min_split_keys, HAS_WINDOW=not flat,
-        QK_FP32=launch.qk_fp32, PV_FP32=launch.pv_fp32, FOLD_WRITE=one_token,
+        QK_FP32=launch.qk_fp32, PV_FP32=launch.pv_fp32, FOLD_WRITE=one_token, ROPE=rope,
         num_warps=settings.num_warps,
         num_stages=(settings.num_stages_small_heads if max(launch.block_d, launch.block_dv) <= 64
                     else settings.num_stages),
@@ -611,6 +634,8 @@ def triton_paged_update_and_attend(
     window: int | None,
     scale: float,
     out_dtype: torch.dtype,
+    rope_cos: torch.Tensor | None = None,
+    rope_sin: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write every token's K/V row into ``k_store``/``v_store`` in place and attend each token
     over its own session's valid rows (design section 10).
@@ -621,7 +646,8 @@ def triton_paged_update_and_attend(
     (``window`` an int >= 1) ``[slots, Hkv, rows, D|Dv]``, head dims contiguous; the four batch
     inputs (int32) as in the design. Returns ``[1, Hq, T, Dv]`` in ``out_dtype``. Calls the
     ``offgraph_lowered::triton_paged_update_and_attend`` op, so ``torch.export`` records one node
-    and AOTInductor compiles its kernels."""
+    and AOTInductor compiles its kernels. ``rope_cos``/``rope_sin`` (one-token steps only): q and
+    k are unrotated and the kernel applies ``x * cos + rotate_half(x) * sin`` with these rows."""
     if _TRITON_IMPORT_ERROR is not None:
         raise ExportError(
             "the triton paged step needs the 'triton' package "
@@ -632,5 +658,5 @@ def triton_paged_update_and_attend(
         raise ExportError(f"window must be None (flat) or a positive int, got {window!r}")
     return _paged_step_op(
         q, k, v, position, k_store, v_store, token_slots, token_rows, page_table, session_lengths,
-        window, float(scale), out_dtype,
+        window, float(scale), out_dtype, rope_cos, rope_sin,
     )

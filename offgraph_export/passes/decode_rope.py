@@ -7,7 +7,9 @@ one-token attention kernel already loads the query and the new key, so it can ro
 rows, which the program computes once per step for every layer.
 
 The pattern is the eager form of Llama-family models, on the query and on the key of one
-``offgraph_lowered::triton_update_and_attend`` call of width 1::
+``offgraph_lowered::triton_update_and_attend`` call of width 1 (or of the batched artifact's
+``offgraph_lowered::triton_paged_update_and_attend``, whose one-token kernel rotates them the
+same way)::
 
     r = x * cos + cat([-x[..., D/2:], x[..., :D/2]], -1) * sin
 
@@ -92,14 +94,16 @@ def _match_rope(r: object) -> Optional[tuple[torch.fx.Node, torch.fx.Node, torch
 def decode_rope(ep: ExportedProgram) -> PassResult[int]:
     """Fold the rotary embedding into each one-token attention call of ``ep`` (in place); see the
     module docstring."""
+    import offgraph_export.kernels.paged_attend  # noqa: F401  (defines the paged op)
     import offgraph_export.kernels.triton_attend  # noqa: F401  (defines the op)
 
-    attend = torch.ops.offgraph_lowered.triton_update_and_attend.default
+    ops = torch.ops.offgraph_lowered
+    attends = (ops.triton_update_and_attend.default, ops.triton_paged_update_and_attend.default)
     graph = ep.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     folded = 0
     for node in list(graph.nodes):
-        if not is_call(node, attend):
+        if not any(is_call(node, attend) for attend in attends):
             continue
         args = op_arguments(node)
         if args.get("rope_cos") is not None or args.get("rope_sin") is not None:
