@@ -13,6 +13,7 @@ from typing import get_args
 
 import click
 
+from offgraph_export.cli import verdict
 from offgraph_export.errors import OffgraphError
 from offgraph_export.options import AUTOTUNE_CHOICES, BACKENDS, DEVICES, FORMATS, STEP_IMPLS, ExportOptions, OptionError
 from offgraph_export.specs.manifest import StorageDtype
@@ -47,10 +48,15 @@ POSITIVE = click.IntRange(min=1)
 
 class _Cli(click.Group):
     """One error path: every user error ends as one line ``error: ...`` on stderr and exit 2; a
-    traceback before it only with ``--debug`` (or ``OFFGRAPH_DEBUG=1``), which changes no exit code."""
+    traceback before it only with ``--debug`` (or ``OFFGRAPH_DEBUG=1``), which changes no exit code.
+
+    ``check`` and ``run`` do their work in a child interpreter that this one judges
+    (:mod:`offgraph_export.cli.verdict`): in that child, the exit status is reported to the parent
+    as the last act here."""
 
     def main(self, args=None, prog_name=None, **kwargs):  # type: ignore[override]
         argv = list(sys.argv[1:] if args is None else args)
+        verdict.begin(argv)  # in a child: the channel leaves the environment before any user code runs
         debug = "--debug" in argv or os.environ.get("OFFGRAPH_DEBUG") == "1"
         try:
             code = super().main(args=argv, prog_name=prog_name, standalone_mode=False, **kwargs)
@@ -75,7 +81,9 @@ class _Cli(click.Group):
             hint = "" if debug else " (rerun with --debug for the traceback)"
             _say(f"error: {type(exc).__name__}: {_one_line(str(exc))}{hint}")
             code = 2
-        sys.exit(code if isinstance(code, int) else 0)
+        code = code if isinstance(code, int) else 0
+        verdict.finish(code)  # a child's last act: the record its parent judges
+        sys.exit(code)
 
 
 def _check_output(path: str, suffix: str) -> Path:
@@ -123,11 +131,22 @@ def _check_device(device: str) -> None:
         raise click.BadParameter("cuda was asked for but no CUDA device is available", param_hint="'--device'")
 
 
-def _model_reference(artifact: str, specs, model: str | None, recorded: bool) -> str:
-    """The model the user named, or (``--recorded-model``) the one the artifact records, said
-    aloud: code named by an archive never runs implicitly."""
+def _read_specs(artifact: str):
+    """The artifact's specs (:func:`offgraph_export.runtime.read_specs`'s readers, which import no
+    torch: a parent checks them before it starts the child that does the work)."""
+    if str(artifact).endswith(".pte"):
+        from offgraph_export.specs.pte import read_pte_specs
+
+        return read_pte_specs(artifact)
+    from offgraph_export.specs.artifact import read_artifact_specs
+
+    return read_artifact_specs(artifact)
+
+
+def _check_model_named(artifact: str, specs, model: str | None, recorded: bool) -> None:
+    """A model is named (:func:`_model_reference`'s refusals, saying nothing else)."""
     if model:
-        return model
+        return
     if not recorded:
         raise click.UsageError(
             f"name the model to compare against with --model (for example --model {safe_text(specs.model or 'FILE.py:FUNCTION')}), "
@@ -135,6 +154,14 @@ def _model_reference(artifact: str, specs, model: str | None, recorded: bool) ->
         )
     if not specs.model:
         raise OffgraphError(f"{artifact} records no model; pass --model")
+
+
+def _model_reference(artifact: str, specs, model: str | None, recorded: bool) -> str:
+    """The model the user named, or (``--recorded-model``) the one the artifact records, said
+    aloud: code named by an archive never runs implicitly."""
+    _check_model_named(artifact, specs, model, recorded)
+    if model:
+        return model
     _say(safe_text(f"importing the model recorded in {artifact}: {specs.model} with arguments {specs.model_args}"))
     return specs.model
 
@@ -313,20 +340,25 @@ def inspect(artifact, as_json):
 def check(artifact, model_factory, recorded_model, steps, prefill_chunks, seed, factory_args, cuda_graphs, sessions, as_json):
     """Check ARTIFACT's compiled steps against its spec and the eager model.
 
-    Exits 0 when every step matches, 1 when any check fails, 2 when the check cannot run."""
-    from offgraph_export.check import check_artifact, check_batched
-    from offgraph_export.frontends import load_bundle
-    from offgraph_export.models import cast_bundle
-    from offgraph_export.runtime import read_specs
-
-    specs = read_specs(artifact)
+    Exits 0 when every step matches and the report is complete, 1 when any check fails or the
+    check does not complete (the model's code ends the process early, e.g. with os._exit), 2 when
+    the check cannot run. The work runs in a child interpreter; this one gives the verdict."""
+    specs = _read_specs(artifact)
     if cuda_graphs and specs.device != "cuda":
         raise click.BadParameter("CUDA graphs need a cuda artifact", param_hint="'--cuda-graphs'")
-    factory = _model_reference(artifact, specs, model_factory, recorded_model)
-    bundle = cast_bundle(load_bundle(factory, **_model_args(artifact, specs, factory_args)), specs.model_dtype)
+    _check_model_named(artifact, specs, model_factory, recorded_model)
     batched = specs.manifest.paging is not None
     if sessions is not None and not batched:
         raise click.BadParameter(f"{artifact} serves one session per program (export it with --max-sessions)", param_hint="'--sessions'")
+    if not verdict.in_child():
+        raise click.exceptions.Exit(verdict.run_in_child("check"))
+
+    from offgraph_export.check import check_artifact, check_batched
+    from offgraph_export.frontends import load_bundle
+    from offgraph_export.models import cast_bundle
+
+    factory = _model_reference(artifact, specs, model_factory, recorded_model)
+    bundle = cast_bundle(load_bundle(factory, **_model_args(artifact, specs, factory_args)), specs.model_dtype)
     _say(safe_text(f"checking {artifact} against {factory} on {specs.device}"))
     if batched:
         report = check_batched(artifact, bundle, sessions=sessions or min(8, specs.manifest.paging.max_sessions * 2),
@@ -336,7 +368,9 @@ def check(artifact, model_factory, recorded_model, steps, prefill_chunks, seed, 
                                 cuda_graphs=cuda_graphs)
     report.model = factory
     click.echo(json.dumps(report.model_dump(mode="json"), indent=2) if as_json else report.render())  # ASCII: escapes C1 and bidi too
-    sys.exit(0 if report.passed else 1)
+    code = 0 if report.passed else 1
+    verdict.completed(code, passed=report.passed)  # the report is out: the last thing the command does
+    raise click.exceptions.Exit(code)
 
 
 @cli.command()
@@ -356,10 +390,10 @@ def check(artifact, model_factory, recorded_model, steps, prefill_chunks, seed, 
 def run(artifact, prompts, prompts_file, tokens, max_new_tokens, model_factory, recorded_model, factory_args, cuda_graphs,
         temperature, top_k, seed, as_json):
     """Generate from ARTIFACT with runtime-owned caches: greedy for one session per program; a
-    batched artifact (--max-sessions) generates every prompt together (continuous batching)."""
-    from offgraph_export.frontends import load_bundle
-    from offgraph_export.runtime import load_artifact, read_specs
+    batched artifact (--max-sessions) generates every prompt together (continuous batching).
 
+    The work runs in a child interpreter and this one exits 0 only when it completed: a model
+    whose code ends the process early (e.g. os._exit(0)) makes it exit 1."""
     texts = list(prompts)
     if prompts_file is not None:
         texts += [line for line in Path(prompts_file).read_text().splitlines() if line.strip()]
@@ -373,13 +407,20 @@ def run(artifact, prompts, prompts_file, tokens, max_new_tokens, model_factory, 
             raise click.BadParameter(f"{tokens!r} must be comma-separated integers", param_hint="'--tokens'") from None
         if not all(0 <= i < 2**63 for i in ids):
             raise click.BadParameter(f"{tokens!r}: token ids are non-negative int64 values", param_hint="'--tokens'")
-    specs = read_specs(artifact)
+    specs = _read_specs(artifact)
     if cuda_graphs and specs.device != "cuda":
         raise click.BadParameter("CUDA graphs need a cuda artifact", param_hint="'--cuda-graphs'")
     batched = specs.manifest.paging is not None
     if (temperature or top_k) and not batched:
         raise click.BadParameter("sampling is for batched artifacts (--max-sessions); this one decodes greedily",
                                  param_hint="'--temperature'")
+    _check_model_named(artifact, specs, model_factory, recorded_model)
+    if not verdict.in_child():
+        raise click.exceptions.Exit(verdict.run_in_child("run"))
+
+    from offgraph_export.frontends import load_bundle
+    from offgraph_export.runtime import load_artifact
+
     factory = _model_reference(artifact, specs, model_factory, recorded_model)
     bundle = load_bundle(factory, **_model_args(artifact, specs, factory_args))
     if texts:
@@ -397,6 +438,7 @@ def run(artifact, prompts, prompts_file, tokens, max_new_tokens, model_factory, 
         row["text"] = bundle.decode(row["new_tokens"]) if bundle.decode else None
     if as_json:
         click.echo(json.dumps(rows[0] if len(rows) == 1 else rows))
+        verdict.completed(0)
         return
     for row in rows:
         click.echo(row["text"] if row["text"] is not None else " ".join(map(str, row["new_tokens"])))
@@ -412,6 +454,7 @@ def run(artifact, prompts, prompts_file, tokens, max_new_tokens, model_factory, 
                 f"{m['growth_count']} growths, {m['allocated_bytes'] / 1e6:.2f} MB, "
                 f"{m['graph_captures']} graph captures; decode median {decode}"
             )
+    verdict.completed(0)  # everything is printed: the last thing the command does
 
 
 def _run_one(loaded, bundle, ids: list[int], max_new_tokens: int, cuda_graphs: bool) -> dict:
