@@ -26,11 +26,11 @@ from pydantic import BaseModel, Field
 from offgraph_export.errors import CheckFailed, OffgraphError, first_line
 from offgraph_export.frontends import load_bundle
 from offgraph_export.models import ModelBundle
-from offgraph_export.reference.oracle import Oracle
+from offgraph_export.reference.oracle import HeldRows, Oracle
 from offgraph_export.runtime import load_artifact
 from offgraph_export.runtime.program import LoadedProgram
 from offgraph_export.runtime.session import Session
-from offgraph_export.specs.manifest import CacheManifest, paged_row, ring_rows, storage_row
+from offgraph_export.specs.manifest import CacheManifest, LayerManifest, paged_row, ring_rows, storage_row
 
 __all__ = [
     "StepReport",
@@ -185,6 +185,8 @@ def _compare_rows(
                 f"{storage.name}: spec width {step.width_from_spec} but {len(written)} rows written"
             )
         held = oracle.held(layer.layer_id)
+        if not _rows_comparable(oracle, held, layer):
+            continue  # its cache holds another form (a note of the report)
         index = {p: i for i, p in enumerate(held[0])} if held else {}
         common = [p for p in positions if p in index]
         if not common:
@@ -237,22 +239,55 @@ def _compare_outputs(step: StepReport, got: torch.Tensor, want: torch.Tensor, to
         )
 
 
-def _check_manifest_model(oracle: Oracle, manifest: CacheManifest) -> list[str]:
-    problems = []
+def _other_form(held: HeldRows, layer: LayerManifest) -> tuple[int, int, int] | None:
+    """``(heads, key dim, value dim)`` per position of the eager model's cache where that is not
+    the geometry of the K/V the attention receives (the manifest's), else None. Multi-head latent
+    attention (DeepSeek-V2/V3, MiniCPM3 in transformers 5) caches its compressed latent, one
+    ``kv_lora_rank`` "key" and one rotary "value" per position, and expands it into per-head K/V
+    every step: the artifact stores the expanded K/V the attention receives, so its rows cannot
+    be compared with that cache (the outputs still are, at every step)."""
+    _, keys, values = held
+    got = (keys.shape[1], keys.shape[3], values.shape[3])
+    return None if got == (layer.kv_heads, layer.head_dim, layer.v_head_dim) else got
+
+
+def _check_manifest_model(oracle: Oracle, manifest: CacheManifest) -> tuple[list[str], list[str]]:
+    """(problems, notes) of the manifest against what the eager model cached in its first step:
+    a layer it never wrote is a problem, and so is one whose cache has other heads or head dims
+    than the manifest, unless the oracle says its cache holds another form than the K/V the
+    attention receives (``caches_other_form``: multi-head latent attention), which is a note (its
+    rows are then left uncompared: :func:`_rows_comparable`)."""
+    problems, notes = [], []
     for layer in manifest.layers:
         held = oracle.held(layer.layer_id)
         if held is None:
             problems.append(f"manifest layer {layer.layer_id}: the eager model never wrote this layer")
             continue
-        _, keys, values = held
-        got = (keys.shape[1], keys.shape[3], values.shape[3])
-        want = (layer.kv_heads, layer.head_dim, layer.v_head_dim)
-        if got != want:
+        other = _other_form(held, layer)
+        if other is not None and oracle.caches_other_form:
+            notes.append(_form_note(layer, other))
+        elif other is not None:
             problems.append(
-                f"layer {layer.layer_id}: eager model writes (kv_heads, head_dim, v_head_dim)={got}, "
-                f"manifest says {want}"
+                f"layer {layer.layer_id}: eager model writes (kv_heads, head_dim, v_head_dim)={other}, "
+                f"manifest says {(layer.kv_heads, layer.head_dim, layer.v_head_dim)}"
             )
-    return problems
+    return problems, notes
+
+
+def _rows_comparable(oracle: Oracle, held: HeldRows | None, layer: LayerManifest) -> bool:
+    """Whether the oracle's rows of ``layer`` are the K/V the artifact stores (or it holds none,
+    which the comparison reports): not so where the oracle caches another form and its shapes
+    show it."""
+    return held is None or not (oracle.caches_other_form and _other_form(held, layer) is not None)
+
+
+def _form_note(layer: LayerManifest, other: tuple[int, int, int]) -> str:
+    return (
+        f"layer {layer.layer_id}: the eager model caches (heads, key dim, value dim)={other} per position, "
+        f"another form than the K/V its attention receives, {(layer.kv_heads, layer.head_dim, layer.v_head_dim)} "
+        f"(a compressed latent, as multi-head latent attention caches): stored rows are not compared with that "
+        f"cache; outputs are, at every step"
+    )
 
 
 # -- replay ------------------------------------------------------------------------------------
@@ -306,7 +341,9 @@ def _replay(session: Session, bundle: ModelBundle, report: CheckReport) -> None:
             session.commit(prepared)
             expected = oracle.step(inputs)
             if index == 0:
-                report.problems += _check_manifest_model(oracle, manifest)
+                problems, notes = _check_manifest_model(oracle, manifest)
+                report.problems += problems
+                report.notes += notes
             _compare_outputs(step, outputs[0], expected[0], out_tol)
             _compare_rows(step, manifest, before, session.storage.bound(), oracle, storage_tol)
             if step.width_from_spec != width:
@@ -546,7 +583,8 @@ def _replay_batched(runner, bundle: ModelBundle, report: CheckReport, sessions: 
                 inputs = bundle.make_inputs(tokens[sid][:, start : start + n].to(device), start)
                 expected = oracles[sid].step(inputs)
                 _compare_outputs(step, outputs[sid][0], expected[0], out_tol)
-                _compare_paged_rows(step, runner, sid, list(range(start, start + n)), before, after, oracles[sid], storage_tol)
+                _compare_paged_rows(step, runner, sid, list(range(start, start + n)), before, after, oracles[sid], storage_tol,
+                                    report.notes)
                 if len(runner.pages(sid)) > pages_before[sid] and pages_before[sid]:
                     report.page_crossings += 1
                 for layer in manifest.layers:
@@ -608,14 +646,20 @@ def _compare_unwritten(report: CheckReport, index: int, runner, before, after, e
 
 
 def _compare_paged_rows(step: StepReport, runner, sid: int, positions: list[int], before, after, oracle: Oracle,
-                        tolerance: tuple[float, float]) -> None:
-    """The rows of this session's tokens hold the oracle's K/V (those the oracle still holds)."""
+                        tolerance: tuple[float, float], notes: list[str]) -> None:
+    """The rows of this session's tokens hold the oracle's K/V (those the oracle still holds);
+    layers whose eager cache holds another form are left out, once noted in ``notes``."""
     manifest = runner.manifest
     for i, storage in enumerate(manifest.storage_inputs()):
         layer, which = manifest.owner(storage)
         rows = manifest.rows(layer, manifest.max_capacity)
         view = _pool_rows(after[i], layer.window is None)
         held = oracle.held(layer.layer_id)
+        if not _rows_comparable(oracle, held, layer):
+            note = _form_note(layer, _other_form(held, layer))  # type: ignore[arg-type]
+            if note not in notes:
+                notes.append(note)
+            continue  # its cache holds another form
         index = {p: j for j, p in enumerate(held[0])} if held else {}
         common = [p for p in positions if p in index]
         if not common:

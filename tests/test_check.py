@@ -312,17 +312,18 @@ def test_a_manifest_that_disagrees_with_the_eager_model_is_named(loaded_example,
     manifest = loaded_example.specs.manifest
     oracle = example_bundle.oracle(manifest)
     oracle.step(example_bundle.make_inputs(torch.zeros(1, 3, dtype=torch.int64), 0))
-    assert _check_manifest_model(oracle, manifest) == []
+    assert _check_manifest_model(oracle, manifest) == ([], [])
     first = manifest.layers[0]
     wrong = manifest.model_copy(update={"layers": [first.model_copy(update={"kv_heads": first.kv_heads + 1}),
                                                    *manifest.layers[1:]]})
-    (problem,) = _check_manifest_model(oracle, wrong)
+    (problem,), notes = _check_manifest_model(oracle, wrong)
+    assert notes == []
     assert problem.startswith(f"layer {first.layer_id}: eager model writes (kv_heads, head_dim, v_head_dim)=")
     assert f"manifest says ({first.kv_heads + 1}, " in problem
     extra = manifest.model_copy(update={"layers": [*manifest.layers, first.model_copy(update={"layer_id": 99})]})
     oracle = example_bundle.oracle(extra)  # caches for every manifest layer; the model writes 0 and 1
     oracle.step(example_bundle.make_inputs(torch.zeros(1, 3, dtype=torch.int64), 0))
-    assert _check_manifest_model(oracle, extra) == ["manifest layer 99: the eager model never wrote this layer"]
+    assert _check_manifest_model(oracle, extra) == (["manifest layer 99: the eager model never wrote this layer"], [])
 
 
 @pytest.mark.parametrize("kwargs", [dict(decode_steps=10**9), dict(prefill_chunks=10**9), dict(decode_steps=0)])

@@ -23,6 +23,10 @@ HeldRows = tuple[list[int], torch.Tensor, torch.Tensor]
 
 
 class Oracle(Protocol):
+    #: the cache holds another form than the K/V the attention receives (transformers' multi-head
+    #: latent attention caches its compressed latent): ``check`` compares outputs, not rows
+    caches_other_form: bool
+
     def step(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """Run one step eagerly (its cache advances); return the model's outputs."""
         ...
@@ -34,6 +38,8 @@ class Oracle(Protocol):
 
 class ReferenceOracle:
     """``model`` (attention through the neutral op) over reference caches built from the manifest."""
+
+    caches_other_form = False  # reference caches hold exactly what the neutral op receives
 
     def __init__(self, model: torch.nn.Module, manifest: CacheManifest) -> None:
         self.model = model

@@ -12,7 +12,7 @@ import inspect
 import torch
 from torch import nn
 
-from offgraph_export.frontends.hf.attention import using_attention
+from offgraph_export.frontends.hf.attention import text_config, using_attention
 from offgraph_export.reference.oracle import HeldRows
 
 __all__ = ["ORACLE_ATTENTION", "TransformersOracle"]
@@ -33,6 +33,10 @@ class TransformersOracle:
         # transformers 5.24 renamed past_key_values to cache (the old name is deprecated)
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.committed_length = 0
+        #: transformers caches multi-head latent attention's compressed latent (DeepSeek-V2/V3,
+        #: MiniCPM3: a ``kv_lora_rank`` config), not the per-head K/V its attention receives and
+        #: the artifact stores: ``check`` then compares outputs, not stored rows
+        self.caches_other_form = getattr(text_config(hf_model.config), "kv_lora_rank", None) is not None
 
     def step(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         tokens, position = inputs
