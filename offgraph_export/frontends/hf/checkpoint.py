@@ -5,6 +5,13 @@ The directory is untrusted input: its JSON files are read bounded before transfo
 nothing is downloaded (``local_files_only`` with the hub offline), no remote code runs, and only
 safetensors weights are read; a directory holding weights in another format is refused rather
 than mistaken for a config-only one (which gets seeded random weights, if they fit in memory).
+
+A checkpoint that lies is refused by name (:mod:`.validate`): a config whose sizes are past their
+bounds (or whose model has more than ``MAX_PARAMETERS`` parameters) before anything is built; a
+safetensors tensor of the wrong shape, or of an integer/bool dtype where the model's is floating,
+before any weight is read; and tensors missing from the checkpoint (which transformers would fill
+with random values) or not in the model, from transformers' own loading report. Tied weights and
+non-persistent buffers are not missing; casting between floating types is normal.
 """
 
 from __future__ import annotations
@@ -17,6 +24,13 @@ import torch
 from torch import nn
 
 from offgraph_export.errors import ExportError, first_line
+from offgraph_export.frontends.hf.validate import (
+    header_problems,
+    loading_problems,
+    parameter_problem,
+    read_headers,
+    size_problem,
+)
 from offgraph_export.models import model_dtype
 from offgraph_export.specs.limits import loads_limited
 
@@ -52,12 +66,20 @@ def _safetensors_files(path: Path) -> list[str]:
     return ["model.safetensors"] if (path / "model.safetensors").is_file() else []
 
 
-def _check_random_weights_fit(path: Path, auto_model: object, config: object, dtype: torch.dtype) -> None:
+def _meta_shell(path: Path, auto_model: object, config: object, dtype: torch.dtype) -> nn.Module:
+    """The model of ``config`` on the meta device, where nothing is allocated: sized and compared
+    with the checkpoint's headers before anything real is built."""
+    try:
+        with torch.device("meta"):
+            return auto_model.from_config(config, dtype=dtype, trust_remote_code=False)  # type: ignore[attr-defined]
+    except Exception as exc:  # unknown architectures, inconsistent configs, ...
+        raise _fail(path, f"cannot build the model: {first_line(exc)}") from exc
+
+
+def _check_random_weights_fit(path: Path, shell: nn.Module, dtype: torch.dtype) -> None:
     """A config.json alone gets random weights made in memory: refuse one whose weights would not
     fit this machine's memory (a 200-byte config can ask for terabytes), sized on the meta device
-    first, where nothing is allocated."""
-    with torch.device("meta"):
-        shell = auto_model.from_config(config, dtype=dtype, trust_remote_code=False)  # type: ignore[attr-defined]
+    (``shell``) first, where nothing is allocated."""
     needed = sum(t.numel() * t.element_size() for t in (*shell.parameters(), *shell.buffers()))
     try:
         memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -102,7 +124,10 @@ def load_hf_model(directory: str | os.PathLike, dtype: str | None = None, seed: 
         raise _fail(path, "no such checkpoint directory")
     if not (path / "config.json").exists():
         raise _fail(path, "config.json is missing")
-    _read_json(path, "config.json")
+    config_json = _read_json(path, "config.json")
+    # before transformers reads it: a config class may build a list per layer in its __init__
+    if problem := size_problem(config_json):
+        raise _fail(path, problem)
     torch_dtype = model_dtype(dtype, ExportError) if dtype is not None else torch.float32
     try:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -114,6 +139,8 @@ def load_hf_model(directory: str | os.PathLike, dtype: str | None = None, seed: 
         config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except Exception as exc:  # transformers raises ValueError/OSError/KeyError for bad configs
         raise _fail(path, f"config.json cannot be read as a transformers config: {first_line(exc)}") from exc
+    if problem := size_problem({}, config):  # the sizes as the config class made them (defaults, aliases)
+        raise _fail(path, problem)
     if getattr(config, "is_encoder_decoder", False):
         raise _fail(path, f"not supported by the neutral KV op: encoder-decoder model ({config.model_type})")
     weights = _safetensors_files(path)
@@ -121,18 +148,30 @@ def load_hf_model(directory: str | os.PathLike, dtype: str | None = None, seed: 
     if not weights and others:  # random weights only for a directory that holds none at all
         raise _fail(path, f"only safetensors weights (model.safetensors, or shards named by "
                           f"model.safetensors.index.json) are read; found {others}")
+    shell = _meta_shell(path, AutoModelForCausalLM, config, torch_dtype)
+    if not weights:
+        _check_random_weights_fit(path, shell, torch_dtype)
+    if problem := parameter_problem(shell):
+        raise _fail(path, problem)
+    if weights:  # the headers against the model before any weight is read
+        headers, problem = read_headers(path, weights)
+        if problem := problem or header_problems(headers, shell):
+            raise _fail(path, problem)
+    del shell
     try:
         if weights:
-            model = AutoModelForCausalLM.from_pretrained(
+            # mismatched shapes are reported (and refused below by name), not raised as a generic error
+            model, info = AutoModelForCausalLM.from_pretrained(
                 path, local_files_only=True, use_safetensors=True, trust_remote_code=False,
-                dtype=torch_dtype,
+                dtype=torch_dtype, output_loading_info=True, ignore_mismatched_sizes=True,
             )
         else:
-            _check_random_weights_fit(path, AutoModelForCausalLM, config, torch_dtype)
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, trust_remote_code=False)
-    except Exception as exc:  # missing shards, shape mismatches, unknown architectures, ...
+    except Exception as exc:  # missing shards, unknown architectures, ...
         raise _fail(path, f"cannot build the model: {first_line(exc)}") from exc
+    if weights and (problem := loading_problems(info)):
+        raise _fail(path, problem)
     tokenizer = None
     if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
         try:
