@@ -264,7 +264,7 @@ def _check_manifest_model(oracle: Oracle, manifest: CacheManifest) -> tuple[list
             problems.append(f"manifest layer {layer.layer_id}: the eager model never wrote this layer")
             continue
         other = _other_form(held, layer)
-        if other is not None and oracle.caches_other_form:
+        if other is not None and getattr(oracle, "caches_other_form", False):
             notes.append(_form_note(layer, other))
         elif other is not None:
             problems.append(
@@ -278,7 +278,7 @@ def _rows_comparable(oracle: Oracle, held: HeldRows | None, layer: LayerManifest
     """Whether the oracle's rows of ``layer`` are the K/V the artifact stores (or it holds none,
     which the comparison reports): not so where the oracle caches another form and its shapes
     show it."""
-    return held is None or not (oracle.caches_other_form and _other_form(held, layer) is not None)
+    return held is None or not (getattr(oracle, "caches_other_form", False) and _other_form(held, layer) is not None)
 
 
 def _form_note(layer: LayerManifest, other: tuple[int, int, int]) -> str:

@@ -23,9 +23,11 @@ HeldRows = tuple[list[int], torch.Tensor, torch.Tensor]
 
 
 class Oracle(Protocol):
-    #: the cache holds another form than the K/V the attention receives (transformers' multi-head
-    #: latent attention caches its compressed latent): ``check`` compares outputs, not rows
-    caches_other_form: bool
+    """What ``check`` needs of an oracle (a bundle's ``oracle(manifest)`` may make its own). An
+    oracle may also set ``caches_other_form = True`` when its cache holds another form than the
+    K/V the attention receives (transformers' multi-head latent attention caches its compressed
+    latent): ``check`` then compares outputs, not stored rows, for the layers whose shapes show it
+    (absent: False)."""
 
     def step(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """Run one step eagerly (its cache advances); return the model's outputs."""
