@@ -25,7 +25,7 @@ import torch
 
 from offgraph_export.kernels.triton_base import INTERPRETED, pow2_at_least, tl, triton
 
-__all__ = ["AttendLaunch", "partial_buffers", "split_count"]
+__all__ = ["AttendLaunch", "partial_buffers", "rope_rows", "split_count"]
 
 #: Upper bound on splits per query tile; also sizes the partial-result buffers.
 _MAX_SPLITS = 64
@@ -240,6 +240,24 @@ def _rotate_half(x, base, offs, stride, mask, cos, sin, HEAD_DIM: tl.constexpr):
 # ---------------------------------------------------------------------------------------------
 # Host side: shape arithmetic that works on ints and SymInts alike
 # ---------------------------------------------------------------------------------------------
+
+
+def rope_rows(
+    rope_cos: Optional[torch.Tensor], rope_sin: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+    head_dim: int, one_token: bool,
+) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """A one-token step's rotary rows, checked (given together, one token, an even head dim
+    shared by q and k, ``head_dim`` values each, q's dtype) and flattened to ``[head_dim]``; None
+    without them. Both one-token kernels (``attend_decode``, ``paged_attend``) rotate with them."""
+    if rope_cos is None and rope_sin is None:
+        return None
+    d = head_dim
+    torch._check(rope_cos is not None and rope_sin is not None, lambda: "rotary rows come as cos and sin")
+    torch._check(one_token, lambda: "rotary rows are taken by one-token steps only")
+    torch._check(d % 2 == 0 and k.shape[-1] == d, lambda: "rotary rows need an even head dim shared by q and k")
+    torch._check(rope_cos.numel() == d and rope_sin.numel() == d, lambda: f"rotary rows must hold {d} values")
+    torch._check(rope_cos.dtype == q.dtype == k.dtype == rope_sin.dtype, lambda: "rotary rows, q and k share a dtype")
+    return rope_cos.reshape(d).contiguous(), rope_sin.reshape(d).contiguous()
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,7 @@ from offgraph_export.kernels.attend_common import (
     _normalized,
     _rotate_half,
     _split_keys,
+    rope_rows,
 )
 from offgraph_export.kernels.portable import dense_copy
 from offgraph_export.kernels.triton_base import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
@@ -550,17 +551,9 @@ def paged_step(
     launch = AttendLaunch.for_step(q, k, v, k_store, v_store, window, scale)
     group = launch.group
     block_n = min(launch.block_n, settings.max_block_n)
-    rope = rope_cos is not None or rope_sin is not None
-    if rope:
-        d = launch.head_dim
-        torch._check(rope_cos is not None and rope_sin is not None, lambda: "rotary rows come as cos and sin")
-        torch._check(one_token, lambda: "rotary rows are taken by one-token steps only")
-        torch._check(d % 2 == 0 and k.shape[-1] == d, lambda: "rotary rows need an even head dim shared by q and k")
-        torch._check(rope_cos.numel() == d and rope_sin.numel() == d, lambda: f"rotary rows must hold {d} values")
-        torch._check(rope_cos.dtype == q.dtype == k.dtype == rope_sin.dtype, lambda: "rotary rows, q and k share a dtype")
-        cos, sin = rope_cos.reshape(d).contiguous(), rope_sin.reshape(d).contiguous()
-    else:
-        cos, sin = pos, pos  # unread without ROPE
+    rotary = rope_rows(rope_cos, rope_sin, q, k, launch.head_dim, one_token)
+    rope = rotary is not None
+    cos, sin = rotary if rotary is not None else (pos, pos)  # unread without ROPE
     block_m = pow2_at_least(group)
     out = torch.empty((1, hq, t, launch.v_dim), dtype=out_dtype, device=q.device)
     if _statically_zero(t):

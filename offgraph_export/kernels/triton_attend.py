@@ -42,7 +42,7 @@ from typing import Optional
 import torch
 
 from offgraph_export.errors import ExportError
-from offgraph_export.kernels.attend_common import AttendLaunch
+from offgraph_export.kernels.attend_common import AttendLaunch, rope_rows
 from offgraph_export.kernels.attend_decode import decode_step
 from offgraph_export.kernels.attend_prefill import prefill_step
 from offgraph_export.kernels.portable import dense_copy
@@ -94,14 +94,7 @@ def _lowered_step(
     launch = AttendLaunch.for_step(q, k, v, k_store, v_store, window, scale)
     d = launch.head_dim
     out = torch.empty((b, hq, t, launch.v_dim), dtype=out_dtype, device=q.device)
-    rope = None
-    if rope_cos is not None or rope_sin is not None:
-        torch._check(rope_cos is not None and rope_sin is not None, lambda: "rotary rows come as cos and sin")
-        torch._check(isinstance(t, int) and t == 1, lambda: "rotary rows are taken by one-token steps only")
-        torch._check(d % 2 == 0 and k.shape[-1] == d, lambda: "rotary rows need an even head dim shared by q and k")
-        torch._check(rope_cos.numel() == d and rope_sin.numel() == d, lambda: f"rotary rows must hold {d} values")
-        torch._check(rope_cos.dtype == q.dtype == k.dtype == rope_sin.dtype, lambda: "rotary rows, q and k share a dtype")
-        rope = (rope_cos.reshape(d).contiguous(), rope_sin.reshape(d).contiguous())
+    rope = rope_rows(rope_cos, rope_sin, q, k, d, one_token)
     if one_token:
         # A concrete one-token step (the decode method, or an eager call): its own kernels.
         return decode_step(q, k, v, pos, k_store, v_store, out, launch, rope)
