@@ -139,8 +139,18 @@ def build_batched(args) -> None:
                               "--max-write", str(args.max_write), *args.batched_export_args])
 
 
-def hf_cache_len(args) -> int:
-    return max(args.history) + args.steps
+def hf_cache_len(args, history: int | None = None) -> int:
+    """hf-static's cache rows: sized for ``history`` (``--hf-cache per-history``, the strongest
+    form of that baseline: it attends over every row) or for the largest history (``largest``:
+    the one cache a server admitting every history would compile)."""
+    if history is None or args.hf_cache == "largest":
+        return max(args.history) + args.steps
+    return history + args.steps
+
+
+def hf_cache_lens(args) -> list[int]:
+    """Every cache size hf-static is compiled for, one compile each per B."""
+    return sorted({hf_cache_len(args, h) for h in args.history})
 
 
 def static_module(model, batch: int, max_cache_len: int):
@@ -156,9 +166,9 @@ def static_module(model, batch: int, max_cache_len: int):
     return module
 
 
-def hf_compiled(args, model, batch: int):
+def hf_compiled(args, model, batch: int, length: int):
     """(module, callable, compile seconds): compiled at its first call (cpu: eager, no compile)."""
-    module = static_module(model, batch, hf_cache_len(args))
+    module = static_module(model, batch, length)
     ids = torch.full((batch, 1), 7, dtype=torch.long, device=db.device())
     pos = torch.full((1,), args.history[0], dtype=torch.long, device=db.device())
     fn = module if args.hf_mode == "eager" else torch.compile(module, mode=args.hf_mode, dynamic=False)
@@ -181,9 +191,14 @@ def build_hf(args) -> None:
     out, art = Path(args.out), Path(args.artifacts)
     _raise_recompile_limit()
     model = db.load_hf_uninitialized(args.config)
-    _, _, _, _, compile_s = hf_compiled(args, model, args.batch)
-    data = {"batch": args.batch, "compile_s": compile_s, "mode": args.hf_mode, "max_cache_len": hf_cache_len(args),
-            "inductor_cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR")}
+    compile_s = 0.0
+    lengths = hf_cache_lens(args)
+    for length in lengths:
+        *_, seconds = hf_compiled(args, model, args.batch, length)
+        log(f"hf-static B={args.batch}, cache {length} rows: compiled in {seconds:.0f} s")
+        compile_s += seconds
+    data = {"batch": args.batch, "compile_s": compile_s, "mode": args.hf_mode, "max_cache_len": max(lengths),
+            "cache_lens": lengths, "inductor_cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR")}
     log(f"hf-static B={args.batch}: compiled in {compile_s:.0f} s")
     save(out, f"hf_static_b{args.batch}_build", data)
     (art / f"hf_static_b{args.batch}_build.json").write_text(json.dumps(data, indent=2))
@@ -578,46 +593,48 @@ def timed_what(args) -> str:
 
 
 def measure_hf(bench: Bench) -> None:
-    """hf-static at every B: one compile each (from the inductor caches of the build phase), a
-    CUDA graph, every history by its cache position (the whole cache is read at each)."""
+    """hf-static at every B: one compile per cache size (from the inductor caches of the build
+    phase), a CUDA graph, each history by its cache position (the whole cache is read at each)."""
     args = bench.args
     _raise_recompile_limit()
     model = db.load_hf_uninitialized(args.config)
-    length = hf_cache_len(args)
     estimate = None
     for batch in sorted(args.batches):
-        cold = bench.results["builds"].get(f"hf_static_b{batch}", {}).get("compile_s")
-        est = estimate if estimate is not None else (5.0 if args.hf_mode == "eager" else 0.5 * cold if cold else 90.0)
-        if bench.remaining() < est + MARGIN_S:
-            bench.skip(f"hf-static B={batch} (all histories)", f"{bench.remaining():.0f} s left, its compile takes about {est:.0f} s")
-            continue
-        log(f"hf-static B={batch}: compiling ({args.hf_mode}, cache {length} rows)")
-        module, fn, ids, pos, compile_s = hf_compiled(args, model, batch)
-        estimate = max(estimate or 0.0, compile_s * 1.3)
-        bench.results["hf_compile"][str(batch)] = compile_s
-        log(f"hf-static B={batch}: compiled in {compile_s:.1f} s")
-        with torch.no_grad():
-            if cuda() and args.hf_mode != "eager":
-                replay, _ = graph_step(lambda a, b: fn(input_ids=a, cache_position=b), [ids, pos])
-            else:
-                def replay():
-                    fn(input_ids=ids, cache_position=pos)
-            kv = db.cache_bytes(module)
-            for history in args.history:
-                if history >= length:
-                    bench.skip(f"hf-static B={batch} history {history}", f"the cache holds {length} rows")
-                    continue
-                pos.fill_(history)
-                timing = _timed(replay, args.steps)
-                bench.row("hf-static", batch, history, timing, [history + 1.0] * batch, kv_allocated_bytes=kv,
-                          kv_live_bytes=bench.kv_token * (history + 1) * batch, cache_rows=length, compile_s=compile_s,
-                          timed=timed_what(args))
-            if batch == pick_batch(args.batches, args.breakdown_batch):
-                pos.fill_(args.history[0])
-                bench.results["breakdown"]["hf-static"] = {"batch": batch, "history": args.history[0], **kernel_breakdown(replay)}
-        del module, fn, replay
-        if cuda():
-            torch.cuda.empty_cache()
+        for length in hf_cache_lens(args):
+            histories = [h for h in args.history if hf_cache_len(args, h) == length]
+            cold = bench.results["builds"].get(f"hf_static_b{batch}", {}).get("compile_s")
+            est = estimate if estimate is not None else (5.0 if args.hf_mode == "eager" else 0.5 * cold if cold else 90.0)
+            if bench.remaining() < est + MARGIN_S:
+                bench.skip(f"hf-static B={batch} cache {length} (histories {histories})",
+                           f"{bench.remaining():.0f} s left, its compile takes about {est:.0f} s")
+                continue
+            log(f"hf-static B={batch}: compiling ({args.hf_mode}, cache {length} rows)")
+            module, fn, ids, pos, compile_s = hf_compiled(args, model, batch, length)
+            estimate = max(estimate or 0.0, compile_s * 1.3)
+            bench.results["hf_compile"][f"{batch}x{length}"] = compile_s
+            log(f"hf-static B={batch}: compiled in {compile_s:.1f} s")
+            with torch.no_grad():
+                if cuda() and args.hf_mode != "eager":
+                    replay, _ = graph_step(lambda a, b: fn(input_ids=a, cache_position=b), [ids, pos])
+                else:
+                    def replay():
+                        fn(input_ids=ids, cache_position=pos)
+                kv = db.cache_bytes(module)
+                for history in histories:
+                    if history >= length:
+                        bench.skip(f"hf-static B={batch} history {history}", f"the cache holds {length} rows")
+                        continue
+                    pos.fill_(history)
+                    timing = _timed(replay, args.steps)
+                    bench.row("hf-static", batch, history, timing, [history + 1.0] * batch, kv_allocated_bytes=kv,
+                              kv_live_bytes=bench.kv_token * (history + 1) * batch, cache_rows=length, compile_s=compile_s,
+                              timed=timed_what(args))
+                if batch == pick_batch(args.batches, args.breakdown_batch) and args.history[0] in histories:
+                    pos.fill_(args.history[0])
+                    bench.results["breakdown"]["hf-static"] = {"batch": batch, "history": args.history[0], **kernel_breakdown(replay)}
+            del module, fn, replay
+            if cuda():
+                torch.cuda.empty_cache()
     del model
 
 
@@ -633,8 +650,10 @@ def measure(args) -> None:
     timed = ("the CUDA graph replayed alone (inputs set once)" if cuda() and args.hf_mode != "eager"
              else f"one call of the module ({args.hf_mode}, no CUDA graph)")  # cf. timed_what
     bench.results["notes"] += [
-        f"hf-static compiles once per B ({args.hf_mode if args.hf_mode == 'eager' else args.hf_mode + ', dynamic=False'}) with its cache fixed at {hf_cache_len(args)} rows: "
-        f"every step attends over all of them, whatever the history; its rows time {timed}. It has no time-to-first-token "
+        f"hf-static compiles once per B and cache size ({args.hf_mode if args.hf_mode == 'eager' else args.hf_mode + ', dynamic=False'}), "
+        + (f"its cache sized for each history (history + {args.steps} rows: {', '.join(map(str, hf_cache_lens(args)))})"
+           if args.hf_cache == "per-history" else f"its cache fixed at {hf_cache_len(args)} rows for every history")
+        + f": every step attends over all of them; its rows time {timed}. It has no time-to-first-token "
         "row: a static batch takes no joining session without a serving engine.",
         "single: one step is a round of B sessions stepped in turn through Session.feed"
         + (", each replaying its own CUDA-graph decode step." if cuda() else " (cpu: ordinary launches)."),
@@ -750,6 +769,9 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--history", type=int, nargs="+", default=[1024, 8192])
     parser.add_argument("--steps", type=int, default=100, help="timed steps per row (after %d warm-up steps)" % WARMUP)
+    parser.add_argument("--hf-cache", choices=["per-history", "largest"], default="per-history",
+                        help="hf-static's static cache: sized for each history (one compile each; the baseline at its "
+                             "fastest) or once for the largest (what one server build admitting all of them runs)")
     parser.add_argument("--max-sessions", type=int, default=64, help="the batched artifact's session slots")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--max-write", type=int, default=512, help="the batched artifact's widest step")

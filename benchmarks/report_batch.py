@@ -109,9 +109,13 @@ def render(out: Path) -> str:
                   "| build | wall | export / passes / compile | package | methods | command |", "|---|---|---|---|---|---|"]
         for name, b in builds.items():
             if "compile_s" in b and "export_s" not in b:  # an hf-static compile
-                warm = data.get("hf_compile", {}).get(str(b.get("batch")))
-                again = f"; again in the measure phase {warm:.0f} s" if warm is not None else ""
-                lines.append(f"| {name} | {b['compile_s']:.0f} s (first call, {b.get('mode')}{again}) | - | - | - | - |")
+                batch = str(b.get("batch"))
+                # measure-phase compiles by B (older records) or by "BxROWS", one per cache size
+                warm = [v for k, v in data.get("hf_compile", {}).items() if k == batch or k.startswith(batch + "x")]
+                again = f"; again in the measure phase {sum(warm):.0f} s" if warm else ""
+                sizes = b.get("cache_lens") or [b.get("max_cache_len")]
+                lines.append(f"| {name} | {b['compile_s']:.0f} s (first calls, {b.get('mode')}, cache rows "
+                             f"{', '.join(map(str, sizes))}{again}) | - | - | - | - |")
                 continue
             lines.append(f"| {name} | {b.get('wall_s', 0):.0f} s | {b.get('export_s', 0):.0f} / {b.get('passes_s', 0):.0f} / "
                          f"{b.get('compile_s', 0):.0f} s | {_gb(b.get('bytes'))} | {', '.join(b.get('methods', []))} | `{b.get('command', '')}` |")

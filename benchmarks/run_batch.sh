@@ -8,7 +8,7 @@
 #   benchmarks/run_batch.sh /tmp/bres ...; tar czf $OUT/bres.tgz -C /tmp bres
 # BENCH_PHASE=build|measure splits the run over two device calls of at most 10 minutes each, made
 # back to back on the same (warm) machine, as benchmarks/run.sh does: the first builds both packages
-# and compiles hf-static once per B (all at once: CPU-bound compiles, their times overlap and are
+# and compiles hf-static once per B and cache size (`--hf-cache`; all at once: CPU-bound compiles, their times overlap and are
 # reported as such) into $BENCH_ARTIFACTS (default /tmp/offgraph_batch_bench: /tmp survives between
 # back-to-back calls; so does a folder the repo's .gitignore ignores, e.g. BENCH_ARTIFACTS=.bench/batch),
 # with TORCHINDUCTOR_CACHE_DIR there so the measure call compiles hf-static from its caches; the
@@ -41,7 +41,7 @@ BB="python3 benchmarks/batch_bench.py"
 status=0
 stamp() { echo "[$(date +%T) +$(( $(date +%s) - START ))s] $*"; }
 
-# the B values among the options (for one hf-static compile per B)
+# the B values among the options (one hf-static build process per B; it compiles each cache size)
 batches() {
   local take=0 out=""
   for a in "$@"; do

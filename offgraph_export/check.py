@@ -30,6 +30,7 @@ from offgraph_export.reference.oracle import HeldRows, Oracle
 from offgraph_export.runtime import load_artifact
 from offgraph_export.runtime.program import LoadedProgram
 from offgraph_export.runtime.session import Session
+from offgraph_export.specs.artifact import STEP_METHOD
 from offgraph_export.specs.manifest import CacheManifest, LayerManifest, paged_row, ring_rows, storage_row
 
 __all__ = [
@@ -372,6 +373,13 @@ def _conclude(report: CheckReport, session: Session) -> None:
         report.notes.append("methods: " + ", ".join(f"{m} ran {n} steps" for m, n in counts.items()))
     if metrics.graph_captures or metrics.graph_replays:
         report.notes.append(f"CUDA graphs: {metrics.graph_captures} captures, {metrics.graph_replays} replays")
+    general_one = sum(s.width == 1 and s.method == STEP_METHOD for s in report.steps)
+    if general_one and str(session.artifact.path).endswith(".pt2"):
+        report.notes.append(
+            f"{general_one} one-token steps ran the general program, compiled for 2 or more tokens (AOTInductor "
+            "compiles a dynamic width from 2 up): checked here against the eager model; export with "
+            "--decode-method for a program compiled for one token"
+        )
     report.passed = (
         not report.problems
         and all(s.ok for s in report.steps)

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -24,7 +27,7 @@ from offgraph_export.pipeline import export_model, run_passes
 from offgraph_export.runtime import Artifact
 from offgraph_export.specs.artifact import DECODE_METHOD, STEP_METHOD, read_artifact_specs
 from tests.archive_tools import rewrite, specs_edit
-from tests.conftest import EXAMPLE, cli
+from tests.conftest import EXAMPLE, ROOT, cli
 
 
 @pytest.fixture(scope="module")
@@ -361,6 +364,21 @@ def test_check_passes_with_the_decode_method(loaded):
     report = check_artifact(loaded, EXAMPLE, decode_steps=24)
     assert report.passed, report.render()
 
+
+
+def test_the_decode_method_passes_aotinductors_own_input_checks(decode_artifact):
+    """With ``AOTI_RUNTIME_CHECK_INPUTS=1`` the compiled wrappers check every input's sizes and
+    strides against the ones they were compiled for: the decode method must take the runtime's
+    one-token tensors as they are (it was compiled from examples narrowed from a wider trace, and a
+    narrowed view keeps the wide example's stride on its size-1 dim: ``expected: 4, but got: 1``)."""
+    env = {**os.environ, "AOTI_RUNTIME_CHECK_INPUTS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "offgraph_export", "check", str(decode_artifact), "--model", EXAMPLE, "--steps", "6", "--json"],
+        capture_output=True, text=True, cwd=ROOT, env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["passed"] and any(s["method"] == DECODE_METHOD for s in report["steps"]), proc.stdout[-2000:]
 
 # -- a broken decode method is caught -------------------------------------------------------------
 

@@ -30,7 +30,10 @@ def _narrowed(example: torch.Tensor, node: torch.fx.Node, symbol: str, width: in
     for dim, size in enumerate(node.meta["val"].shape):
         if isinstance(size, torch.SymInt) and str(size_expr(size)) == symbol:
             example = example.narrow(dim, 0, width)
-    return example.contiguous()
+    # A copy in the one contiguous layout of its shape: the compiled method takes the example's
+    # strides as its own, and a narrowed view keeps the wide example's stride on a dim of size 1
+    # (``.contiguous()`` returns such a view as it is), which no caller's tensor has.
+    return example.clone(memory_format=torch.contiguous_format)
 
 
 def specialize_width(stripped: ExportedProgram, step_width: StepWidthSpec, width: int = 1) -> PassResult[str]:

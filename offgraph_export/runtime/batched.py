@@ -386,7 +386,9 @@ class BatchedRunner:
 
     def _inputs(self, width: int) -> list[torch.Tensor]:
         model = [torch.empty(0)] * 2
-        model[self._tokens_index] = self._long[0:1, :width]
+        # [1, width] in the one layout of its shape (stride width, not the buffer's row length, on
+        # the size-1 dim: the compiled wrappers' own input checks compare every stride)
+        model[self._tokens_index] = self._long[0, :width].view(1, width)
         model[self._positions_index] = self._long[1, :width]  # type: ignore[index]
         batch = {"token_slots": self._int[0, :width], "token_rows": self._int[1, :width],
                  "page_table": self._table, "session_lengths": self._lengths}

@@ -29,11 +29,21 @@ from offgraph_export.specs.artifact import DECODE_METHOD
 __all__ = ["Exclusive", "PreparedStep", "Session", "SessionMetrics"]
 
 
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
 def _dense(x: torch.Tensor) -> torch.Tensor:
     """The compiled code indexes inputs as contiguous (AOTI does not check strides: a strided
     view such as ``ids[:, a:b]`` of a batch > 1 would be misread silently) and assumes 16-byte
-    aligned data (a misaligned view makes AOTI copy it with a warning on every call)."""
-    if x.is_contiguous() and x.data_ptr() % 16 == 0:
+    aligned data (a misaligned view makes AOTI copy it with a warning on every call). Contiguous
+    means the one layout of the shape, size-1 dims included: ``is_contiguous`` ignores their
+    strides, the compiled wrappers' own checks (``AOTI_RUNTIME_CHECK_INPUTS=1``) do not."""
+    if x.stride() == _contiguous_strides(x.shape) and x.data_ptr() % 16 == 0:
         return x
     return x.clone(memory_format=torch.contiguous_format)
 
