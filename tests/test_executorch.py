@@ -4,6 +4,8 @@ run through ExecuTorch's own runtime."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -19,11 +21,23 @@ from offgraph_export.specs.step_width import STEP_WIDTH_KEY  # noqa: E402
 from tests.conftest import EXAMPLE, cli  # noqa: E402
 
 
+_BUILT: dict[str, Path] = {}
+
+
+def example_pte_path(tmp_path_factory) -> Path:
+    """The example lowered to a .pte (XNNPACK), built once per test session: an ExecuTorch export
+    takes about a minute on CI, and tests/test_hostile_pte.py derives its hostile files from this
+    one too. Read it, never write it."""
+    if "xnnpack" not in _BUILT:
+        out = tmp_path_factory.mktemp("pte") / "tiny.pte"
+        cli("export", EXAMPLE, "-o", str(out), "--format", "executorch")
+        _BUILT["xnnpack"] = out
+    return _BUILT["xnnpack"]
+
+
 @pytest.fixture(scope="module")
 def example_pte(tmp_path_factory):
-    out = tmp_path_factory.mktemp("pte") / "tiny.pte"
-    cli("export", EXAMPLE, "-o", str(out), "--format", "executorch")
-    return out
+    return example_pte_path(tmp_path_factory)
 
 
 def test_specs_travel_as_constant_methods(example_pte, example_artifact):

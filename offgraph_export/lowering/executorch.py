@@ -6,12 +6,21 @@ Every XNNPACK delegate carries the specs as CompileSpecs with the same keys and 
 ``.pt2`` metadata: ``offgraph_kv_manifest`` (the manifest JSON) and ``offgraph_kv_step_width``. A
 delegate sees its own inputs, in its own order, so its width spec is computed from the partitioned
 program (which of the delegate's inputs carries the token width, along which dim) and verified
-again on the serialized program (:func:`delegate_width_specs`); a delegate none of whose inputs
+again on the serialized program (:func:`~offgraph_export.specs.pte.check_delegate_specs`, as every
+reader of the file checks it; :func:`delegate_width_specs` lists them); a delegate none of whose inputs
 carries the width gets the manifest only. The whole program also carries the specs as constant
 methods of the program (ExecuTorch's own way to attach values to a ``.pte``): ``offgraph_kv_step_width`` (the
 ``"input_index:dim"`` text), ``offgraph_kv_manifest`` (the manifest JSON), ``offgraph_program`` (the
 program description) and ``offgraph_specs`` (the whole :class:`ArtifactSpecs` JSON), read back by
 :mod:`offgraph_export.specs.pte` (which the runtime may import; this module it may not).
+
+The program also records its digest (``offgraph_digest``, and for the cuda backend the data file's,
+``offgraph_data_digest``): they are given as placeholders of their final length, and once the
+program is serialized (and the data file written) :func:`~offgraph_export.specs.pte.seal_pte`
+writes the digests into them. The sealed bytes then pass every check a reader makes
+(:func:`~offgraph_export.specs.pte.check_pte`: the bounded layout, the digests, the constant
+methods and every delegate's specs) before they are published, so an export never writes a file
+its own reader refuses.
 
 With the ``cuda`` backend the program is exported on the CPU and ``CudaPartitioner`` moves it to
 the device and compiles it with AOTInductor; the compiled library and weights go to a separate
@@ -29,17 +38,19 @@ silently keep a stale internal copy, so it is never used.
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 
 from torch.export import ExportedProgram
 
-from offgraph_export.errors import ExportError
+from offgraph_export.errors import ArtifactError, ExportError
 from offgraph_export.lowering.output_files import publish, staging
 from offgraph_export.specs.artifact import ArtifactSpecs
 from offgraph_export.options import BACKENDS, ExportOptions
 from offgraph_export.specs.manifest import MANIFEST_KEY
-from offgraph_export.specs.pte import spec_constants
+from offgraph_export.specs.pte import check_pte, data_file_path, digest_placeholders, file_digest, seal_pte, spec_constants
+from offgraph_export.specs.pte_reader import read_pte_layout
 from offgraph_export.specs.step_width import STEP_WIDTH_KEY, StepWidthSpec, format_step_width, parse_step_width
 
 __all__ = [
@@ -83,7 +94,7 @@ def _partitioners(backend: str) -> list:
 
 def data_path(path: str | os.PathLike) -> Path:
     """Where the external data of the ``.pte`` at ``path`` goes (``<stem>.ptd``, cuda backend)."""
-    return Path(path).with_suffix(".ptd")
+    return data_file_path(path)
 
 
 def _attach_delegate_specs(edge: object, specs: ArtifactSpecs) -> None:
@@ -108,38 +119,26 @@ def _attach_delegate_specs(edge: object, specs: ArtifactSpecs) -> None:
 
 def delegate_width_specs(buffer: bytes) -> list[tuple[int, StepWidthSpec | None, list[list[int]]]]:
     """For every delegate call of the serialized program: the delegate's index, its width spec
-    (None without one) and the planned sizes of its arguments, read back from the flatbuffer."""
-    from executorch.exir._serialize._program import deserialize_pte_binary
-
-    program = deserialize_pte_binary(buffer)
-    program = getattr(program, "program", program)
-    plan = next(p for p in program.execution_plan if p.name == "forward")
+    (None without one) and the planned sizes of its arguments (``[]`` for one that is not a
+    tensor), read back from the flatbuffer with the bounded reader."""
+    layout = read_pte_layout(io.BytesIO(buffer), len(buffer), "the serialized program")
     out = []
-    for chain in plan.chains:
-        for instruction in chain.instructions:
-            call = instruction.instr_args
-            if type(call).__name__ != "DelegateCall":
-                continue
-            specs = {s.key: s.value for s in plan.delegates[call.delegate_index].compile_specs}
-            width = specs.get(STEP_WIDTH_KEY)
-            sizes = [list(getattr(plan.values[a].val, "sizes", [])) for a in call.args]
-            out.append((call.delegate_index, parse_step_width(bytes(width).decode()) if width else None, sizes))
+    for delegate in layout.delegates:
+        width = dict(delegate.compile_specs).get(STEP_WIDTH_KEY)
+        spec = parse_step_width(width.decode()) if width else None
+        for call in delegate.calls:
+            out.append((delegate.index, spec, [list(sizes or ()) for sizes in call]))
     return out
 
 
-def _verify_delegate_widths(buffer: bytes, specs: ArtifactSpecs) -> None:
-    """On the serialized program: each delegate's width spec names one of its arguments whose
-    planned extent along that dim is the width's upper bound (``max_write``)."""
-    bound = specs.symbols[specs.width_symbol].max
-    for index, width, sizes in delegate_width_specs(buffer):
-        if width is None:
-            continue
-        arg = sizes[width.input_index] if width.input_index < len(sizes) else []
-        if width.dim >= len(arg) or arg[width.dim] != bound:
-            raise ExportError(
-                f"delegate {index}: width spec {width.format()!r} names an argument of planned "
-                f"sizes {arg}, not one of token width up to {bound}"
-            )
+def _sealed(buffer: bytes, specs: ArtifactSpecs, target: Path, data_file: Path | None) -> bytes:
+    """``buffer`` with its digests written in, checked as a reader checks it."""
+    try:
+        sealed = seal_pte(buffer, None if data_file is None else file_digest(data_file), str(target))
+        check_pte(io.BytesIO(sealed), len(sealed), str(target), data_file)
+    except ArtifactError as exc:
+        raise ExportError(f"the lowered program fails its own checks: {exc}") from exc
+    return sealed
 
 
 def compile_pte(
@@ -161,25 +160,25 @@ def compile_pte(
 
         extra["compile_config"] = EdgeCompileConfig(_check_ir_validity=False)
     try:
-        edge = to_edge_transform_and_lower(
-            ep, partitioner=_partitioners(backend), constant_methods=spec_constants(specs), **extra
-        )
+        constants = {**spec_constants(specs), **digest_placeholders(data_file=backend == "cuda")}
+        edge = to_edge_transform_and_lower(ep, partitioner=_partitioners(backend), constant_methods=constants, **extra)
         _attach_delegate_specs(edge, specs)
         program = edge.to_executorch(backend_config())
     except ExportError:
         raise
     except Exception as exc:  # exir raises many types; keep the cause chained
         raise ExportError(f"ExecuTorch lowering failed: {exc}") from exc
-    _verify_delegate_widths(program.buffer, specs)
     with staging(target) as tmp_dir:
         program_file = tmp_dir / target.name
-        program_file.write_bytes(program.buffer)
         moves = [(program_file, target)]
+        blob = None
         if backend == "cuda":
             program.write_tensor_data_to_file(str(tmp_dir))
             blobs = sorted(tmp_dir.glob("*.ptd"))
             if len(blobs) != 1:
                 raise ExportError(f"expected one external data file from the cuda backend, got {[b.name for b in blobs]}")
-            moves.insert(0, (blobs[0], data_path(target)))  # the data first: the program names it
+            blob = blobs[0]
+            moves.insert(0, (blob, data_path(target)))  # the data first: the program names it
+        program_file.write_bytes(_sealed(program.buffer, specs, target, blob))
         publish(moves, tmp_dir)
     return target

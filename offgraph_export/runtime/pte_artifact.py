@@ -1,8 +1,11 @@
 """Load an ExecuTorch ``.pte`` artifact and run it through ``executorch.runtime``, with the same
 sessions, storage manager and checks as a ``.pt2``.
 
-The specs are read first from the program's constant methods (no native code), then the program is
-loaded and its ``forward`` checked against them: input count and, per input, dtype and rank. The
+The file is read once and checked before any native code sees it (:func:`~offgraph_export.specs.pte.load_pte`:
+its layout with the bounded reader, its digest, its constant methods and every delegate's specs);
+ExecuTorch's runtime is then handed those bytes, not the path, so it loads exactly what was
+checked, and the program keeps them alive as long as it runs. Its ``forward`` is then checked
+against the specs: input count and, per input, dtype and rank. The
 method returns the mutated storage as its leading outputs (ExecuTorch plans graph inputs into its
 own memory), so :meth:`PteArtifact.run` copies them back into the storage it was given and returns
 the model's own outputs, as the ``.pt2`` runner does. Loading a program runs native kernels: load
@@ -30,10 +33,12 @@ _DTYPES = {0: "uint8", 1: "int8", 2: "int16", 3: "int32", 4: "int64", 5: "float1
 class PteArtifact:
     """A loaded ``.pte`` program and its specs; one serves many sessions."""
 
-    def __init__(self, path: Path, specs: ArtifactSpecs, method: object) -> None:
+    def __init__(self, path: Path, specs: ArtifactSpecs, method: object, program: object | None = None) -> None:
         self.path = path
         self.specs = specs
         self.method = method
+        #: the loaded program (it holds the checked bytes the method runs from)
+        self.program = program
         self.n_storage = 2 * len(specs.manifest.layers)
         #: ExecuTorch's runner is not captured into CUDA graphs
         self.single_threaded = False
@@ -44,10 +49,10 @@ class PteArtifact:
 
     @classmethod
     def load(cls, path: str | os.PathLike, single_threaded: bool = False) -> "PteArtifact":
-        from offgraph_export.specs.pte import read_pte_specs
+        from offgraph_export.specs.pte import load_pte
 
         path = Path(path)
-        specs = read_pte_specs(path)
+        specs, data = load_pte(path)
         if specs.device != "cpu":
             raise ArtifactError(
                 f"{path} was lowered for {specs.device} (the CUDA delegate); this runtime runs cpu "
@@ -57,11 +62,12 @@ class PteArtifact:
         try:
             from executorch.runtime import Runtime
 
-            method = Runtime.get().load_program(str(path)).load_method("forward")
+            program = Runtime.get().load_program(data)  # the bytes checked, not the path again
+            method = program.load_method("forward")
         except Exception as exc:  # the runtime raises RuntimeError/others from C++
             raise ArtifactError(f"cannot load the program in {path}: {exc}") from exc
         cls._cross_check(path, specs, method)
-        return cls(path, specs, method)
+        return cls(path, specs, method, program)
 
     @staticmethod
     def _cross_check(path: Path, specs: ArtifactSpecs, method: object) -> None:

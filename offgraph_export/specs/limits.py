@@ -18,6 +18,13 @@ uncompressed (:data:`MAX_MEMBER_BYTES`, :data:`MAX_ARCHIVE_BYTES`), how far a de
 inflates per byte stored (:data:`MAX_COMPRESSION_RATIO`), and a weight file's size beyond the bytes
 its views take (:data:`MAX_TENSOR_FILE_OVERHEAD`, ``runtime/weights.py``). Each value admits a real
 package of a large model (a 16 GB 8B model, one weight file of several GB) with room to spare.
+
+A ``.pte`` is read the same way (``specs/pte_reader.py`` reads the few flatbuffer tables it needs
+with these bounds, checked before what they bound is read): the file's size
+(:data:`MAX_PTE_BYTES`), its flatbuffer part, which is read whole (:data:`MAX_PTE_PROGRAM_BYTES`),
+the methods, delegates, compile specs per delegate and segments it may declare, the longest name,
+and how many tables and vector entries the reader visits in all (:data:`MAX_PTE_VISITS`): vectors
+of a flatbuffer may share offsets, so a file of 40 KB can declare tens of millions of entries.
 """
 
 from __future__ import annotations
@@ -40,6 +47,14 @@ __all__ = [
     "MAX_ARCHIVE_BYTES",
     "MAX_COMPRESSION_RATIO",
     "MAX_TENSOR_FILE_OVERHEAD",
+    "MAX_PTE_BYTES",
+    "MAX_PTE_PROGRAM_BYTES",
+    "MAX_PTE_METHODS",
+    "MAX_PTE_DELEGATES",
+    "MAX_PTE_COMPILE_SPECS",
+    "MAX_PTE_SEGMENTS",
+    "MAX_PTE_NAME_BYTES",
+    "MAX_PTE_VISITS",
     "LimitedItems",
     "loads_limited",
 ]
@@ -93,6 +108,36 @@ MAX_COMPRESSION_RATIO = 64
 #: pickle, five small records, each record's header, 64-byte alignment padding and data
 #: descriptor, the directory and zip64 end records); 64 KiB admits any rank and record name.
 MAX_TENSOR_FILE_OVERHEAD = 64 << 10
+
+#: The largest ``.pte`` read. A ``.pte`` holds its weights in its segments (a cpu program of an 8B
+#: model in float32 is about 32 GB); 64 GiB, the bound on one ``.pt2`` member, admits it.
+MAX_PTE_BYTES = MAX_MEMBER_BYTES
+#: The largest flatbuffer part of a ``.pte`` (the program tables before its segments), read whole
+#: into memory. The writer moves constants and delegate data into segments, so the flatbuffer holds
+#: the method tables only: the example's is 58 KB (574 values, 181 instructions, 26 delegates), an
+#: LLM's of some thousand instructions per ten layers a few MB; 64 MiB admits ten times the largest.
+MAX_PTE_PROGRAM_BYTES = 1 << 26
+#: The most methods (execution plans) a ``.pte`` may declare: ``forward`` and this project's four
+#: constant methods plus two digests (``specs/pte.py``); 64 leaves room for other writers' extras.
+MAX_PTE_METHODS = 64
+#: The most delegates one method may declare: an XNNPACK program has a few per layer (the example's
+#: 2 layers 26), the largest manifest (MAX_SPEC_ITEMS layers) some 50,000.
+MAX_PTE_DELEGATES = 1 << 16
+#: The most compile specs one delegate may carry: the backend's own (XNNPACK none, the CUDA backend
+#: a few) and this project's two.
+MAX_PTE_COMPILE_SPECS = 256
+#: The most data segments: one per delegate, plus the constant and named-data segments.
+MAX_PTE_SEGMENTS = 2 * MAX_PTE_DELEGATES
+#: The longest method name, delegate id or compile-spec key, in bytes (real ones are under 40).
+MAX_PTE_NAME_BYTES = 1024
+#: The most tables and vector entries the reader visits in one file (each costs a few ``struct``
+#: reads, some microseconds): a real program's methods, delegates and their specs, the forward
+#: method's instructions and the values its delegate calls name. The example's 58 KB flatbuffer
+#: takes 1,069 visits, one per 54 bytes; an LLM of a hundred layers some 10,000 instructions and
+#: as many values. At the example's density the largest flatbuffer (MAX_PTE_PROGRAM_BYTES) takes
+#: 1.2 million; two million take some seconds. The reader also stops at a quarter of the
+#: flatbuffer's bytes (plus 4096), which a file whose targets are not shared cannot reach.
+MAX_PTE_VISITS = 1 << 21
 
 
 def _limit_items(value: object) -> object:
