@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import inspect
 
+import torch._inductor.config as _inductor_config
 from torch.export import Dim, ExportedProgram
 
 __all__ = [
+    "AOTI_CHECKS_LOWERBOUND",
     "DIM_HINT_TAKES_RANGE",
     "DECOMPOSES_TRITON_OPS",
     "MODULE_CHECKS_GUARDS",
@@ -30,6 +32,10 @@ DIM_HINT_TAKES_RANGE: bool = callable(Dim.DYNAMIC) and _accepts(type(Dim.DYNAMIC
 
 #: ``ExportedProgram.run_decompositions(decompose_custom_triton_ops=...)``.
 DECOMPOSES_TRITON_OPS: bool = _accepts(ExportedProgram.run_decompositions, "decompose_custom_triton_ops")
+
+#: ``torch._inductor.config.aot_inductor.check_lowerbound``: whether a compiled wrapper's input
+#: checks include each dynamic dim's lower bound (which AOTInductor puts at 2).
+AOTI_CHECKS_LOWERBOUND: bool = hasattr(_inductor_config.aot_inductor, "check_lowerbound")
 
 #: ``ExportedProgram.module(check_guards=...)``: the unlifted module may carry input guard checks.
 MODULE_CHECKS_GUARDS: bool = _accepts(ExportedProgram.module, "check_guards")

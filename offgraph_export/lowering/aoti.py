@@ -22,7 +22,7 @@ from typing import Any
 
 from torch.export import ExportedProgram
 
-from offgraph_export.compat import unlifted_module
+from offgraph_export.compat import AOTI_CHECKS_LOWERBOUND, unlifted_module
 from offgraph_export.errors import ArtifactError, ExportError
 from offgraph_export.lowering.output_files import publish, staging
 from offgraph_export.specs.archive import check_package_stem
@@ -80,6 +80,11 @@ def inductor_configs(specs: ArtifactSpecs, method: str, constants: str = "{}") -
     }
     if autotuned(specs, method):
         configs["max_autotune"] = True
+    if AOTI_CHECKS_LOWERBOUND:
+        # The runtime runs every library with its input checks on (runtime/artifact.py); a dynamic
+        # dim's compiled lower bound is 2 whatever export recorded (docs/design.md, one-token
+        # steps), and the general method serves one-token steps where there is no decode method.
+        configs["aot_inductor.check_lowerbound"] = False
     return configs
 
 

@@ -38,6 +38,10 @@ def _current_device(kind: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
 
 
+#: AOTInductor's switch for its compiled wrappers' input checks (read once per library).
+CHECK_INPUTS_ENV = "AOTI_RUNTIME_CHECK_INPUTS"
+
+
 class Artifact:
     """A loaded program (one compiled method per entry of ``specs.methods``) and its specs. One
     artifact serves many sessions (weights loaded once)."""
@@ -59,6 +63,7 @@ class Artifact:
         self.compiled = methods[STEP_METHOD]
         # loader.run: no pytree work per call
         self._runs = {name: m.loader.run for name, m in methods.items()}  # type: ignore[attr-defined]
+        self._checks_on: set[str] = set()  # methods whose compiled input checks are latched on
 
     @property
     def device(self) -> torch.device:
@@ -144,7 +149,32 @@ class Artifact:
     def run(self, flat_inputs: Sequence[torch.Tensor], width: int | None = None) -> list[torch.Tensor]:
         """Call the compiled program for a step of ``width`` tokens (:meth:`method_for`) on
         model inputs followed by storage, as a flat list."""
-        return self._runs[self.method_for(width)](list(flat_inputs))
+        method = self.method_for(width)
+        if method not in self._checks_on:
+            return self._first_run(method, list(flat_inputs))
+        return self._runs[method](list(flat_inputs))
+
+    def _first_run(self, method: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The first call of ``method``, with AOTInductor's own input checks latched on for it.
+
+        Each compiled wrapper checks every input's dtype, static sizes, size ranges and strides
+        against what it was compiled for, when ``AOTI_RUNTIME_CHECK_INPUTS`` is set at its first
+        call (it reads the variable once). The storage the runtime allocates is sized from the
+        specs and the metadata, which an archive can rewrite together; the compiled library is
+        the one fact the rewrite cannot change without the library no longer being the export's,
+        so every call is checked against it: a storage tensor of other kv heads, ring rows, head
+        dim or dtype than the library writes is refused (a ``StepFailed``) before any kernel runs.
+        The variable is set only around this call, so other packages in the process keep theirs."""
+        previous = os.environ.get(CHECK_INPUTS_ENV)
+        os.environ[CHECK_INPUTS_ENV] = "1"
+        try:
+            return self._runs[method](inputs)
+        finally:
+            self._checks_on.add(method)  # latched at the call's start, whatever it returned
+            if previous is None:
+                del os.environ[CHECK_INPUTS_ENV]
+            else:
+                os.environ[CHECK_INPUTS_ENV] = previous
 
     def new_session(self, **kwargs) -> "Session":  # noqa: F821
         from offgraph_export.runtime.session import Session
