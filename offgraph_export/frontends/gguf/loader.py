@@ -17,7 +17,6 @@ from __future__ import annotations
 import importlib
 import os
 import tempfile
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -26,7 +25,7 @@ from offgraph_export.errors import ExportError, first_line
 from offgraph_export.frontends.gguf.reference import GGUFFile, resolve_gguf
 from offgraph_export.frontends.hf.bundle import check_bundle_options, checkpoint_bundle
 from offgraph_export.frontends.hf.checkpoint import HFCheckpoint
-from offgraph_export.frontends.hf.validate import loading_problems, parameter_problem, size_problem
+from offgraph_export.frontends.hf.validate import loading_problems, memory_shortfall, parameter_problem, size_problem
 from offgraph_export.models import ModelBundle, model_dtype
 
 __all__ = ["INSTALL_HINT", "load_gguf_model", "load_gguf_bundle"]
@@ -53,12 +52,9 @@ def _require_packages(spec: str) -> None:
 def _fits_in_memory(spec: str, shell: nn.Module, dtype: torch.dtype) -> None:
     """The dequantized weights fit this machine's memory: a 4-bit file unpacks to 8 times its
     size in float32, so its size says little; counted on the meta device (``shell``)."""
-    needed = sum(t.numel() * t.element_size() for t in (*shell.parameters(), *shell.buffers()))
-    try:
-        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # no such counter on this platform
-        return
-    if needed > memory:
+    short = memory_shortfall(shell)
+    if short is not None:
+        needed, memory = short
         raise ExportError(
             f"gguf:{spec}: the model dequantizes to {needed / 1e9:.1f} GB of {str(dtype).removeprefix('torch.')} "
             f"weights, more than this machine's {memory / 1e9:.1f} GB of memory"

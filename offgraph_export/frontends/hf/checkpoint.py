@@ -27,6 +27,7 @@ from offgraph_export.errors import ExportError, first_line
 from offgraph_export.frontends.hf.validate import (
     header_problems,
     loading_problems,
+    memory_shortfall,
     parameter_problem,
     read_headers,
     size_problem,
@@ -80,12 +81,9 @@ def _check_random_weights_fit(path: Path, shell: nn.Module, dtype: torch.dtype) 
     """A config.json alone gets random weights made in memory: refuse one whose weights would not
     fit this machine's memory (a 200-byte config can ask for terabytes), sized on the meta device
     (``shell``) first, where nothing is allocated."""
-    needed = sum(t.numel() * t.element_size() for t in (*shell.parameters(), *shell.buffers()))
-    try:
-        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # no such counter on this platform
-        return
-    if needed > memory:
+    short = memory_shortfall(shell)
+    if short is not None:
+        needed, memory = short
         raise _fail(
             path,
             f"config.json describes {needed / 1e9:.1f} GB of {str(dtype).removeprefix('torch.')} weights, "

@@ -22,6 +22,7 @@ Every function returns a one-line problem (or ``None``); the caller names the di
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from torch import nn
 from offgraph_export.errors import first_line
 
 __all__ = [
+    "memory_shortfall",
     "MAX_LAYERS",
     "MAX_HIDDEN_SIZE",
     "MAX_INTERMEDIATE_SIZE",
@@ -248,3 +250,15 @@ def loading_problems(info: Mapping[str, object], weights: str = "the safetensors
     if problems:
         return "; ".join(problems)
     return None
+
+
+def memory_shortfall(shell: nn.Module) -> tuple[int, int] | None:
+    """``(bytes needed, bytes of memory)`` when the parameters and buffers of ``shell`` (built on
+    the meta device, nothing allocated) would not fit this machine's memory; None when they fit or
+    the platform has no such counter."""
+    needed = sum(t.numel() * t.element_size() for t in (*shell.parameters(), *shell.buffers()))
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # no such counter on this platform
+        return None
+    return (needed, memory) if needed > memory else None
