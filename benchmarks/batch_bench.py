@@ -57,6 +57,7 @@ from decode_bench import (  # noqa: E402
     copy_bandwidth,
     graph_step,
     kernel_breakdown,
+    kernel_sequence,
     log,
     run_export,
     save,
@@ -78,7 +79,7 @@ def decode_budget(steps: int) -> int:
     """Decode tokens one session may take at one history beyond its prefill: its own group's run
     and the B=64 run (warm-up + steps each), the time-to-first-token rounds, the kernel breakdown,
     and a margin."""
-    return 2 * (steps + WARMUP) + 3 * (TTFT_REPEATS + 1) + 6 + 32
+    return 2 * (steps + WARMUP) + 3 * (TTFT_REPEATS + 1) + 12 + 32
 
 
 def default_capacity(args) -> int:
@@ -460,8 +461,22 @@ class BatchedContender:
         return data
 
     def breakdown(self, idxs: list[int]):
+        """The kernel classes of a step of ``idxs``, its kernel sequence and that of a B=1 step,
+        and the step's CUDA graph replayed alone (the runner's host work and input copies left
+        out: the step's median minus this is their share)."""
         feeds = self.feeds(idxs)
-        return kernel_breakdown(lambda: self.runner.step(feeds))
+        step = lambda: self.runner.step(feeds)  # noqa: E731
+        data = kernel_breakdown(step)
+        data["sequence"] = kernel_sequence(step)
+        one = self.feeds(idxs[:1])
+        data["sequence_b1"] = kernel_sequence(lambda: self.runner.step(one))
+        graphs = self.runner._graphs  # the replay alone: bench-only access to the runner's graphs
+        if graphs:
+            width = self.runner._width(len(idxs))
+            step()  # the staging buffers hold this step's inputs again
+            sync()
+            data["replay_only"] = {"width": width, **time_steps(graphs[width].graph.replay, self.bench.args.steps)}
+        return data
 
 
 class SingleContender:
@@ -585,7 +600,9 @@ class SingleContender:
         return data
 
     def breakdown(self, idxs: list[int]):
-        return kernel_breakdown(self.round(idxs))
+        data = kernel_breakdown(self.round(idxs))
+        data["sequence_b1"] = kernel_sequence(self.round(idxs[:1]))
+        return data
 
 
 def timed_what(args) -> str:

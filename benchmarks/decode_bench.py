@@ -183,6 +183,41 @@ def kernel_breakdown(step, steps: int = 5, trace: Path | None = None) -> dict:
     }
 
 
+def kernel_sequence(step, top: int = 12) -> dict:
+    """The kernels of one ``step()`` in launch order (torch.profiler): how many, the sum of the gaps
+    between one kernel's end and the next one's start (time the GPU sat idle inside the step:
+    launch gaps between graph nodes, host work between launches), the largest gaps with the
+    kernels around them, and each kernel's name, us and the gap before it. Read with
+    ``kernel_breakdown``: its ``idle`` is the unprofiled step minus the kernels' time."""
+    if not torch.cuda.is_available():
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        sync()
+    events = sorted(_device_events(prof), key=lambda e: e.time_range.start)
+    kernels, gaps = [], []
+    for i, e in enumerate(events):
+        gap = 0.0 if i == 0 else max(0.0, e.time_range.start - events[i - 1].time_range.end)
+        kernels.append({"name": e.name[:80], "us": round(e.time_range.end - e.time_range.start, 2), "gap_us": round(gap, 2)})
+        if i:
+            gaps.append((gap, events[i - 1].name[:60], e.name[:60]))
+    gaps.sort(key=lambda g: -g[0])
+    span = events[-1].time_range.end - events[0].time_range.start if events else 0.0
+    return {
+        "kernels": len(events),
+        "span_us": round(span, 1),
+        "busy_us": round(sum(k["us"] for k in kernels), 1),
+        "gaps_us": round(sum(g[0] for g in gaps), 1),
+        "median_gap_us": round(statistics.median([g[0] for g in gaps]), 2) if gaps else 0.0,
+        "largest_gaps": [{"us": round(g, 1), "after": a, "before": b} for g, a, b in gaps[:top]],
+        "sequence": kernels,
+    }
+
+
 def _device_events(prof) -> list:
     return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 

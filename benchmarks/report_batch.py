@@ -103,6 +103,26 @@ def render(out: Path) -> str:
         for name, b in breakdown.items():
             top = ", ".join(f"`{k[:60]}` {v:.0f}" for k, v in list(b.get("top_kernels_us", {}).items())[:6])
             lines.append(f"\n{name} (B={b['batch']}) top kernels, us per step: {top}")
+        seq_lines = []
+        for name, b in breakdown.items():
+            for key, label in (("sequence", f"B={b['batch']}"), ("sequence_b1", "B=1")):
+                q = b.get(key)
+                if q and q.get("kernels"):
+                    worst = ", ".join(f"{g['us']:.0f} before `{g['before'][:40]}`" for g in q["largest_gaps"][:3])
+                    seq_lines.append(f"| {name} | {label} | {q['kernels']} | {q['span_us']:.0f} | {q['busy_us']:.0f} | "
+                                     f"{q['gaps_us']:.0f} | {q['median_gap_us']:.2f} | {worst} |")
+        if seq_lines:
+            lines += ["", "One step's kernels in launch order (torch.profiler; span = first kernel's start to the last one's end; "
+                      "gaps = GPU idle between consecutive kernels inside it):", "",
+                      "| contender | step | kernels | span us | busy us | gaps us | median gap us | largest gaps (us) |",
+                      "|---|---|---|---|---|---|---|---|", *seq_lines]
+        for name, b in breakdown.items():
+            r = b.get("replay_only")
+            row = by.get((name.split("@")[0], b["batch"], b["history"]))
+            if r and row:
+                lines.append(f"\n{name} B={b['batch']}: the width-{r['width']} CUDA graph replayed alone {r['median_ms']:.3f} ms "
+                             f"against the whole step {row['median_ms']:.3f} ms: the runner's host work and input copies "
+                             f"{(row['median_ms'] - r['median_ms']) * 1e3:.0f} us")
     builds = data.get("builds") or (_load(out, "batch_build") or {}).get("builds", {})
     if builds:
         lines += ["", "Builds (the build phase runs them at once: their times overlap):", "",
