@@ -325,8 +325,11 @@ def test_admission_refuses_without_changing_anything(loaded_batched):
 
     runner = BatchedRunner(loaded_batched)
     a = runner.open()
-    cases = [({a: [256]}, "outside \\[0, 256\\)"), ({a: list(range(33))}, "at most 32"), ({}, "at least one session"),
-             ({a: []}, "at least one token")]
+    # one-token feeds take the runner's short path: each refusal there too (bool and float are no ids)
+    cases = [({a: [256]}, "token 256 is outside \\[0, 256\\)"), ({a: [-1]}, "token -1 is outside"),
+             ({a: [True]}, "token True is outside"), ({a: [1.0]}, "token 1.0 is outside"),
+             ({a: [3, False]}, "token False is outside"), ({a: list(range(33))}, "at most 32"), ({}, "at least one session"),
+             ({a: []}, "at least one token"), ({a + 99: [1]}, "not open")]
     for feeds, message in cases:
         with pytest.raises(StepRefused, match=message):
             runner.step(feeds)

@@ -170,6 +170,8 @@ class BatchedRunner:
                 raise StepRefused("CUDA graphs need the artifact loaded for capture: load_artifact(path, single_threaded=True)")
             self._graphs = {}
         self._widths = graph_widths(manifest.max_write)
+        #: per width: the device and host views of the token-major buffers that one step copies
+        self._staging: dict[int, tuple[torch.Tensor, ...]] = {}
         self._steps = self._failed = self._refused = self._captures = self._replays = self._padded = 0
         self._exclusive = Exclusive("runner")
 
@@ -246,15 +248,15 @@ class BatchedRunner:
             return self._step(feeds)
 
     def _step(self, feeds: Mapping[int, Sequence[int]]) -> dict[int, list[torch.Tensor]]:
-        plan = self._admit(feeds)
+        plan, total = self._admit(feeds)
         taken: list[tuple[_Session, list[int]]] = []
         try:
+            free = self._free_pages
             for session, _, need in plan:
                 if need:
-                    new = [self._free_pages.pop() for _ in range(need)]
+                    new = [free.pop() for _ in range(need)]
                     session.pages.extend(new)
                     taken.append((session, new))
-            total = sum(n for _, n, _ in plan)
             width = self._width(total)
             self._fill(feeds, plan, width)
             outputs = self._launch(width)
@@ -270,11 +272,17 @@ class BatchedRunner:
         if width > total:
             sizes.append(width - total)  # the padding tokens' outputs, dropped
         # one split per output (a view per session), not a slice per session and output
-        per_output = [out.split(sizes, dim=1) if out.dim() > 1 else None for out in outputs]
+        per_output = [None if out.dim() < 2 else (out,) if len(sizes) == 1 else out.split_with_sizes(sizes, 1)
+                      for out in outputs]
         results: dict[int, list[torch.Tensor]] = {}
-        for i, (sid, (session, n, _)) in enumerate(zip(feeds, plan)):
-            session.length += n
-            results[sid] = [out if parts is None else parts[i] for out, parts in zip(outputs, per_output)]
+        if len(outputs) == 1 and per_output[0] is not None:  # the usual program: logits alone
+            for sid, (session, n, _), part in zip(feeds, plan, per_output[0]):
+                session.length += n
+                results[sid] = [part]
+        else:
+            for i, (sid, (session, n, _)) in enumerate(zip(feeds, plan)):
+                session.length += n
+                results[sid] = [out if parts is None else parts[i] for out, parts in zip(outputs, per_output)]
         self._steps += 1
         return results
 
@@ -283,30 +291,45 @@ class BatchedRunner:
             return 0
         return max(0, pages_for(session.length + tokens, self.paging.page_size) - len(session.pages))
 
-    def _admit(self, feeds: Mapping[int, Sequence[int]]) -> list[tuple[_Session, int, int]]:
-        """``(session, tokens, new pages)`` per feed, or StepRefused with nothing changed."""
+    def _admit(self, feeds: Mapping[int, Sequence[int]]) -> tuple[list[tuple[_Session, int, int]], int]:
+        """``(session, tokens, new pages)`` per feed and the step's token count, or StepRefused
+        with nothing changed. A decode feed (one token) takes the short path: its checks are the
+        same, written for one token (this loop runs once per session and step)."""
         try:
             if not feeds:
                 raise StepRefused("a step needs the tokens of at least one session")
             plan = []
             total = need = 0
-            vocab, capacity = self.vocab, self.manifest.max_capacity
+            vocab, capacity, flat = self.vocab, self.manifest.max_capacity, self._flat
+            page_size = self.paging.page_size
+            sessions = self._sessions
             for sid, tokens in feeds.items():
-                session = self._sessions.get(sid)
+                session = sessions.get(sid)
                 if session is None:
                     raise StepRefused(f"session {sid!r} is not open in this runner")
                 n = len(tokens)
-                if n < 1:
-                    raise StepRefused(f"session {sid}: a step feeds at least one token")
-                if not (all(type(t) is int for t in tokens) and 0 <= min(tokens) and max(tokens) < vocab):
-                    bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
-                    if bad:
-                        raise StepRefused(f"session {sid}: token {bad[0]!r} is outside [0, {vocab}) (the vocabulary)")
-                if self._flat and session.length + n > capacity:
-                    raise StepRefused(
-                        f"session {sid}: {session.length} + {n} tokens exceed the max capacity of {capacity}"
-                    )
-                pages = self._pages_needed(session, n)
+                if n == 1:
+                    t = tokens[0]
+                    if type(t) is not int or not 0 <= t < vocab:
+                        self._bad_tokens(sid, tokens, vocab)
+                    if flat:
+                        length = session.length
+                        if length >= capacity:
+                            raise StepRefused(f"session {sid}: {length} + 1 tokens exceed the max capacity of {capacity}")
+                        # a new page exactly when the session's pages are full (pages_for(length + 1))
+                        pages = 1 if length >= len(session.pages) * page_size else 0
+                    else:
+                        pages = 0
+                else:
+                    if n < 1:
+                        raise StepRefused(f"session {sid}: a step feeds at least one token")
+                    if not (all(type(t) is int for t in tokens) and 0 <= min(tokens) and max(tokens) < vocab):
+                        self._bad_tokens(sid, tokens, vocab)
+                    if flat and session.length + n > capacity:
+                        raise StepRefused(
+                            f"session {sid}: {session.length} + {n} tokens exceed the max capacity of {capacity}"
+                        )
+                    pages = self._pages_needed(session, n)
                 plan.append((session, n, pages))
                 total += n
                 need += pages
@@ -320,7 +343,14 @@ class BatchedRunner:
         except StepRefused:
             self._refused += 1
             raise
-        return plan
+        return plan, total
+
+    @staticmethod
+    def _bad_tokens(sid: int, tokens: Sequence[int], vocab: int) -> None:
+        """Refuse the first token that is no int id inside the vocabulary (``bool`` is none)."""
+        bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise StepRefused(f"session {sid}: token {bad[0]!r} is outside [0, {vocab}) (the vocabulary)")
 
     def _give_back(self, taken: list[tuple[_Session, list[int]]]) -> None:
         for session, new in reversed(taken):
@@ -345,24 +375,26 @@ class BatchedRunner:
         dirty = []  # slots whose page table changed: only their rows are copied
         lengths, table = self._np_lengths, self._np_table
         for tokens, (session, n, _) in zip(feeds.values(), plan):
-            ids.extend(tokens)
             start = session.length
+            slot = session.slot
             if n == 1:  # a decode token
+                ids.append(tokens[0])
                 positions.append(start)
-                slots.append(session.slot)
+                slots.append(slot)
                 rows.append(paged_row(session.pages, start, page_size) if flat else 0)
             else:
+                ids.extend(tokens)
                 span = range(start, start + n)
                 positions.extend(span)
-                slots.extend([session.slot] * n)
+                slots.extend([slot] * n)
                 if flat:
                     rows.extend(paged_row(session.pages, p, page_size) for p in span)
                 else:
                     rows.extend([0] * n)
             if flat and session.table_rows != len(session.pages):
-                table[session.slot, : len(session.pages)] = session.pages
+                table[slot, : len(session.pages)] = session.pages
                 dirty.append(session)
-            lengths[session.slot] = start + n
+            lengths[slot] = start + n
         used = len(ids)
         self._padded += width - used
         if self._copied is not None:
@@ -375,8 +407,12 @@ class BatchedRunner:
         host_long[:, used:width] = 0  # padding: the scratch slot's position 0, its row 0
         host_int[:, used:width] = 0
         blocking = self._copied is None
-        self._long[:, :width].copy_(self._host_long[:, :width], non_blocking=not blocking)
-        self._int[:, :width].copy_(self._host_int[:, :width], non_blocking=not blocking)
+        views = self._staging.get(width)
+        if views is None:  # a tensor slice costs microseconds: once per width
+            views = self._staging[width] = (self._long[:, :width], self._host_long[:, :width],
+                                            self._int[:, :width], self._host_int[:, :width])
+        views[0].copy_(views[1], non_blocking=not blocking)
+        views[2].copy_(views[3], non_blocking=not blocking)
         for session in dirty:
             self._table[session.slot].copy_(self._host_table[session.slot], non_blocking=not blocking)
             session.table_rows = len(session.pages)
