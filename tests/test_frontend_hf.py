@@ -194,13 +194,6 @@ def _save(tmp_path, config) -> str:
     return f"hf:{tmp_path}"
 
 
-def test_soft_capping_is_refused_naming_feature_and_layer(tmp_path):
-    ref = _save(tmp_path, transformers.Gemma2Config(**COMMON, sliding_window=WINDOW, layer_types=MIXED))
-    with pytest.raises(ExportError, match=r"attn_logit_softcapping|soft-capping") as info:
-        load_bundle(ref)
-    assert "layer 0: attention logit soft-capping" in str(info.value)
-
-
 def test_cross_attention_is_refused(tmp_path):
     ref = _save(tmp_path, transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, add_cross_attention=True))
     with pytest.raises(ExportError, match="cross-attention"):
@@ -213,21 +206,17 @@ def test_encoder_decoder_is_refused(tmp_path):
         load_bundle(ref)
 
 
-def _gpt_oss():
-    return transformers.GptOssConfig(
-        **{**COMMON, "num_local_experts": 2, "num_experts_per_tok": 1}, sliding_window=WINDOW, layer_types=MIXED
-    )
+# soft-capping (Gemma 2) and sinks (GPT-OSS) are supported: tests/test_softcap_sinks.py
 
 
 @pytest.mark.parametrize(
     ("make", "message"),
     [
-        (_gpt_oss, "layer 0: attention sinks"),
         (lambda: transformers.FalconConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, alibi=True), "ALiBi"),
         (lambda: transformers.BloomConfig(vocab_size=256, hidden_size=64, n_layer=2, n_head=4), "layer 0: attention called 0 times"),
         (lambda: transformers.Llama4TextConfig(**{**COMMON, "intermediate_size_mlp": 128, "num_local_experts": 2}, attention_chunk_size=8), "chunked_attention"),
     ],
-    ids=["sinks", "alibi", "no-attention-interface", "chunked-layers"],
+    ids=["alibi", "no-attention-interface", "chunked-layers"],
 )
 def test_other_features_are_refused(tmp_path, make, message):
     with pytest.raises(ExportError, match=message):

@@ -10,6 +10,12 @@ each rule is written here once, as a jit helper that Triton inlines into the ker
 cannot drift apart. Host side: the launch configuration both launchers take (:class:`AttendLaunch`,
 derived once per step from the tensors), the split count and the partial-row buffers.
 
+Soft-capping and sinks (docs/design.md section 2) enter as two more rules: :func:`_soft_capped`
+caps each block of scores before the running max sees it, and :func:`_join_sinks` folds a query
+head's sink logit into the online softmax as one more key whose value is 0, once per query row (by
+split 0 of its tile), so the combine kernels merge it like any other key and need no change. The
+paged kernels (``kernels/paged_attend.py``) share the other helpers but implement neither.
+
 Partial rows: a split that shares its tile's key range with others leaves an unnormalized
 ``(max, sum, acc)`` row per query row at ``(b * Hkv + kv head, split, query row)`` of three fp32
 buffers (:func:`partial_buffers`, addressed by :func:`_part_rows`), which a combine kernel merges.
@@ -26,6 +32,8 @@ import torch
 from offgraph_export.kernels.triton_base import INTERPRETED, pow2_at_least, tl, triton
 
 __all__ = ["AttendLaunch", "partial_buffers", "rope_rows", "split_count"]
+
+_LOG2E = math.log2(math.e)
 
 #: Upper bound on splits per query tile; also sizes the partial-result buffers.
 _MAX_SPLITS = 64
@@ -165,6 +173,33 @@ def _block_scores(q, k_base, key_row, key_ok, sk_r, offs_d, d_ok, qk_scale, QK_F
 
 
 @triton.jit
+def _soft_capped(s, cap_scale, SOFTCAP: tl.constexpr):
+    """Scores in the log2 domain from :func:`_block_scores`'s (or the new key's) ``s``: with
+    ``SOFTCAP`` the caller scaled by ``scale / softcap`` (:class:`AttendLaunch`), so
+    ``tanh(s) * softcap * log2(e)`` (``cap_scale``) is the capped score in the log2 domain; else
+    ``s`` as it is. ``tanh`` is written ``2 sigmoid(2s) - 1`` (fp32; no ``tanh`` in every Triton
+    backend and the interpreter): it saturates to +-1 rather than overflowing. fp32 out, whatever
+    type the compiler gives the ``cap_scale`` argument (see :func:`_block_scores`)."""
+    if SOFTCAP:
+        s = ((2.0 * tl.sigmoid(2.0 * s) - 1.0) * cap_scale).to(tl.float32)
+    return s
+
+
+@triton.jit
+def _join_sinks(sink_ptr, head, rows, m_i, l_i, acc):
+    """Fold each query row's sink logit (``sink_ptr[head]``, any float dtype, taken in fp32 and to
+    the log2 domain) into its online-softmax state as a key of value 0: the max takes it, the sum
+    gains ``2^(sink - max)``, the accumulator only rescales. Rows outside ``rows`` (not real, or
+    another split's) are left as they are, so each row takes its sink once."""
+    sink = tl.load(sink_ptr + head, mask=rows, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+    m_new = tl.maximum(m_i, sink)
+    m_ref = _finite_max(m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    l_i = l_i * alpha + tl.exp2(sink - m_ref)
+    return m_new, l_i, acc * alpha[:, None]
+
+
+@triton.jit
 def _finite_max(m):
     """The running max to subtract before ``exp2``: a row with nothing seen yet keeps
     ``m = -inf``; subtract 0 then so ``exp2`` gives 0, not NaN."""
@@ -284,8 +319,14 @@ class AttendLaunch:
     pv_fp32: bool
     #: the ring's window as a kernel argument (an int; 0, unread, for a flat layer)
     window: int
-    #: ``scale * log2(e)``: scores are in the log2 domain, so ``exp2`` does the softmax
+    #: ``scale * log2(e)``: scores are in the log2 domain, so ``exp2`` does the softmax; with
+    #: soft-capping ``scale / softcap``, the argument of its ``tanh`` (:func:`_soft_capped`)
     qk_scale: float
+    #: soft-capping (``SOFTCAP``): ``cap_scale = softcap * log2(e)`` (1.0, unread, without)
+    softcap: bool = False
+    cap_scale: float = 1.0
+    #: per-query-head sink logits (``HAS_SINKS``; :func:`_join_sinks`)
+    has_sinks: bool = False
 
     @classmethod
     def for_step(
@@ -297,9 +338,11 @@ class AttendLaunch:
         v_store: torch.Tensor,
         window: Optional[int],
         scale: float,
+        softcap: Optional[float] = None,
+        has_sinks: bool = False,
     ) -> AttendLaunch:
         """The configuration of a step of ``q``/``k``/``v`` over this storage (``window`` None:
-        a flat layer)."""
+        a flat layer; ``softcap`` None: no soft-capping; ``has_sinks``: the step takes sinks)."""
         d, dv = int(q.shape[-1]), int(v.shape[-1])
         block_d, block_dv = pow2_at_least(d), pow2_at_least(dv)
         # The interpreter computes bf16 dots wrongly (triton_base.INTERPRETED): fp32 there.
@@ -318,7 +361,10 @@ class AttendLaunch:
             qk_fp32=not (q.dtype == k_store.dtype and k_store.dtype in sixteen_bit),
             pv_fp32=v_store.dtype not in sixteen_bit,
             window=window if window is not None else 0,
-            qk_scale=float(scale) * math.log2(math.e),
+            qk_scale=float(scale) / softcap if softcap is not None else float(scale) * _LOG2E,
+            softcap=softcap is not None,
+            cap_scale=float(softcap) * _LOG2E if softcap is not None else 1.0,
+            has_sinks=has_sinks,
         )
 
     def constexprs(self) -> dict[str, Any]:
@@ -328,6 +374,11 @@ class AttendLaunch:
             BLOCK_D=self.block_d, BLOCK_DV=self.block_dv, BLOCK_N=self.block_n,
             HAS_WINDOW=self.has_window, QK_FP32=self.qk_fp32, PV_FP32=self.pv_fp32,
         )
+
+    def feature_constexprs(self) -> dict[str, Any]:
+        """The soft-capping and sink switches, which only the single-session kernels take (the
+        paged ones refuse both)."""
+        return dict(SOFTCAP=self.softcap, HAS_SINKS=self.has_sinks)
 
 
 def split_count(b, hkv: int, programs: int, round_up: bool) -> int:

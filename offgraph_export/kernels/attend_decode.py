@@ -26,10 +26,13 @@ from offgraph_export.kernels.attend_common import (
     _block_scores,
     _can_store,
     _finite_max,
+    _join_sinks,
     _normalized,
     _oldest_key,
     _part_rows,
     _rotate_half,
+    _rows_if,
+    _soft_capped,
     _split_keys,
     _split_plan,
     _storage_row,
@@ -54,14 +57,14 @@ _DECODE_MIN_SPLIT_KEYS = 128
 @triton.jit
 def _decode_attend_kernel(
     q_ptr, k_ptr, v_ptr, k_store_ptr, v_store_ptr, pos_ptr, out_ptr,
-    part_acc_ptr, part_m_ptr, part_l_ptr, cos_ptr, sin_ptr,
+    part_acc_ptr, part_m_ptr, part_l_ptr, cos_ptr, sin_ptr, sink_ptr,
     sq_b, sq_h, sq_d,
     sk_b, sk_h, sk_d,
     sv_b, sv_h, sv_d,
     sks_b, sks_h, sks_r,
     svs_b, svs_h, svs_r,
     so_b, so_h,
-    rows, window, n_kv_heads, qk_scale, num_splits,
+    rows, window, n_kv_heads, qk_scale, num_splits, cap_scale,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -70,6 +73,7 @@ def _decode_attend_kernel(
     HAS_WINDOW: tl.constexpr,
     QK_FP32: tl.constexpr, PV_FP32: tl.constexpr,
     ROPE: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """Program (b * Hkv + kv head, split) of a one-token step: the row write and the attention of
     the ``GROUP`` query heads of one kv head in one launch. With ``ROPE`` the query and the new
@@ -85,7 +89,9 @@ def _decode_attend_kernel(
     written it before and in a ring it holds position ``p - rows < lo``. (A flat position at or
     past ``rows``, which the runtime never passes, is attended from k/v but not stored.) One split
     in use writes the output; several leave partial ``(max, sum, acc)`` rows for
-    :func:`_decode_combine_kernel`."""
+    :func:`_decode_combine_kernel`. With ``SOFTCAP`` every score, the new position's too, is capped
+    before it enters the max; with ``HAS_SINKS`` split 0 also takes its heads' sinks
+    (:func:`_join_sinks`)."""
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b, kvh = _batch_and_head(pid_bh, n_kv_heads)
@@ -130,15 +136,19 @@ def _decode_attend_kernel(
     tl.store(k_base + row * sks_r + offs_d, new_key, mask=offs_d < tl.where(write, HEAD_DIM, 0))
     tl.store(v_base + row * svs_r + offs_dv, new_val, mask=offs_dv < tl.where(write, V_DIM, 0))
     s_new = tl.sum(q.to(tl.float32) * new_key.to(tl.float32)[None, :], axis=1) * qk_scale
-    m_i = tl.where(row_ok & first, s_new.to(tl.float32), float("-inf"))
+    s_new = _soft_capped(s_new.to(tl.float32), cap_scale, SOFTCAP)
+    m_i = tl.where(row_ok & first, s_new, float("-inf"))
     l_i = tl.where(row_ok & first, 1.0, 0.0)
     acc = l_i[:, None] * new_val.to(tl.float32)[None, :]
+    if HAS_SINKS:
+        m_i, l_i, acc = _join_sinks(sink_ptr, head, _rows_if(offs_m, GROUP, first), m_i, l_i, acc)
 
     for start in range(k_lo, k_hi, BLOCK_N):
         p_abs = start + tl.arange(0, BLOCK_N)
         key_ok = p_abs < k_hi
         key_row = _storage_row(p_abs, rows)
         s = _block_scores(q, k_base, key_row, key_ok, sks_r, offs_d, d_ok, qk_scale, QK_FP32)
+        s = _soft_capped(s, cap_scale, SOFTCAP)
         s = tl.where(key_ok[None, :] & row_ok[:, None], s, float("-inf"))
         m_i, l_i, acc = _block_accumulate(
             s, v_base, key_row, key_ok, svs_r, offs_dv, dv_ok, m_i, l_i, acc, PV_FP32
@@ -219,13 +229,14 @@ def decode_step(
     launch: AttendLaunch,
     rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     overrides: Optional[Mapping[str, int]] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """A one-token step in two launches (:func:`_decode_attend_kernel`, which also writes the
     row, then :func:`_decode_combine_kernel`); ``out`` (``[B, Hq, 1, Dv]``) is written and
     returned. ``rope``: ``(cos, sin)`` rows of the head dim to rotate the query and new key with,
     in the kernel. ``overrides`` replaces launch parameters (``splits``, ``min_split_keys``,
     ``BLOCK_N``, ``num_warps``, ``num_stages``) for ``scripts/sweep_decode_kernels.py``, which
-    calls this eagerly."""
+    calls this eagerly. ``sinks``: the ``[Hq]`` sink logits where ``launch.has_sinks``."""
     overrides = overrides or {}
     b = q.shape[0]
     hkv = k.shape[1]
@@ -239,15 +250,16 @@ def decode_step(
     part_acc, part_m, part_l = partial_buffers(b * hkv, splits, block_m, launch.block_dv, q.device)
     wrap_triton = torch.library.wrap_triton
     cos, sin = rope if rope is not None else (pos, pos)  # unread without ROPE
+    sink = sinks if sinks is not None else pos  # unread without HAS_SINKS
     wrap_triton(_decode_attend_kernel)[(b * hkv, splits, 1)](
-        q, k, v, k_store, v_store, pos, out, part_acc, part_m, part_l, cos, sin,
+        q, k, v, k_store, v_store, pos, out, part_acc, part_m, part_l, cos, sin, sink,
         q.stride(0), q.stride(1), q.stride(3),
         k.stride(0), k.stride(1), k.stride(3),
         v.stride(0), v.stride(1), v.stride(3),
         *k_store.stride()[:3], *v_store.stride()[:3], out.stride(0), out.stride(1),
-        rows, launch.window, hkv, launch.qk_scale, splits,
+        rows, launch.window, hkv, launch.qk_scale, splits, launch.cap_scale,
         BLOCK_M=block_m, MIN_SPLIT_KEYS=min_split_keys, ROPE=rope is not None,
-        **launch.constexprs(), **tuning,
+        **launch.constexprs(), **launch.feature_constexprs(), **tuning,
     )
     wrap_triton(_decode_combine_kernel)[(b * hkv, group, 1)](
         pos, out, part_acc, part_m, part_l, out.stride(0), out.stride(1),

@@ -36,6 +36,8 @@ Both variants are complete implementations, so whichever one a compiler ends up 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from offgraph_export.kernels.attend_common import (
@@ -45,11 +47,13 @@ from offgraph_export.kernels.attend_common import (
     _block_scores,
     _can_store,
     _finite_max,
+    _join_sinks,
     _normalized,
     _part_rows,
     _query_positions,
     _rows_if,
     _split_keys,
+    _soft_capped,
     _split_plan,
     _storage_row,
     _store_split,
@@ -122,12 +126,12 @@ def _write_rows_kernel(
 @triton.jit
 def _attend_kernel(
     q_ptr, k_store_ptr, v_store_ptr, pos_ptr, out_ptr,
-    part_acc_ptr, part_m_ptr, part_l_ptr,
+    part_acc_ptr, part_m_ptr, part_l_ptr, sink_ptr,
     sq_b, sq_h, sq_t, sq_d,
     sk_b, sk_h, sk_r,
     sv_b, sv_h, sv_r,
     so_b, so_h, so_t,
-    pos_stride, T, rows, window, n_kv_heads, qk_scale, num_splits,
+    pos_stride, T, rows, window, n_kv_heads, qk_scale, num_splits, cap_scale,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -136,9 +140,12 @@ def _attend_kernel(
     MIN_SPLIT_KEYS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr,
     QK_FP32: tl.constexpr, PV_FP32: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """Program (query tile, b * Hkv + kv head, split): online-softmax attention of the tile's
-    queries over its valid keys (``SPLIT``: over this split's chunk of them).
+    queries over its valid keys (``SPLIT``: over this split's chunk of them). With ``SOFTCAP``
+    each block of scores is capped before it is masked and enters the max; with ``HAS_SINKS``
+    split 0 (the only one of the tiled variant) starts its rows from their heads' sinks.
 
     Scores are in the log2 domain (``qk_scale`` = scale * log2(e)) so ``exp2`` does the softmax.
     Scores a query may not see are set to -inf *before* the max, and K/V loads outside the range
@@ -181,11 +188,14 @@ def _attend_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    if HAS_SINKS:
+        m_i, l_i, acc = _join_sinks(sink_ptr, head, _rows_if(offs_m, GROUP * T, split == 0), m_i, l_i, acc)
     for start in range(k_lo, k_hi, BLOCK_N):
         p_abs = start + tl.arange(0, BLOCK_N)
         key_ok = p_abs < k_hi
         key_row = _storage_row(p_abs, rows)
         s = _block_scores(q, k_base, key_row, key_ok, sk_r, offs_d, d_ok, qk_scale, QK_FP32)
+        s = _soft_capped(s, cap_scale, SOFTCAP)
         seen = key_ok[None, :] & row_ok[:, None] & (p_abs[None, :] <= qpos[:, None])
         if HAS_WINDOW:
             seen = seen & (p_abs[None, :] > qpos[:, None] - window)
@@ -309,11 +319,13 @@ def prefill_step(
     v_store: torch.Tensor,
     out: torch.Tensor,
     launch: AttendLaunch,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """A step of ``T`` tokens (``T`` an int or a SymInt): the row writes, then the split variant
     and its combine for small steps and the tiled variant for larger ones, with complementary
     grids (see the module docstring). ``pos``: the positions, one per token; ``out``: the
-    ``[B, Hq, T, Dv]`` output, written here and returned."""
+    ``[B, Hq, T, Dv]`` output, written here and returned; ``sinks``: the ``[Hq]`` sink logits
+    where ``launch.has_sinks``."""
     b, _, t, _ = q.shape
     hkv = k.shape[1]
     rows = k_store.shape[2]
@@ -327,7 +339,8 @@ def prefill_step(
         BLOCK_DV=launch.block_dv, HAS_WINDOW=launch.has_window,
     )
 
-    constexprs = {**launch.constexprs(), "MIN_SPLIT_KEYS": _MIN_SPLIT_KEYS}
+    constexprs = {**launch.constexprs(), **launch.feature_constexprs(), "MIN_SPLIT_KEYS": _MIN_SPLIT_KEYS}
+    sink = sinks if sinks is not None else pos  # unread without HAS_SINKS
     strides = (*q.stride(), *k_store.stride()[:3], *v_store.stride()[:3], *out.stride()[:3])
     scalars = (pos.stride(0), t, rows, launch.window, hkv, launch.qk_scale)
 
@@ -343,8 +356,8 @@ def prefill_step(
     part_acc, part_m, part_l = partial_buffers(b * hkv, splits, part_rows, launch.block_dv, q.device)
     if not _statically_zero(small):
         wrap_triton(_attend_kernel)[(split_tiles * small, b * hkv, splits)](
-            q, k_store, v_store, pos, out, part_acc, part_m, part_l,
-            *strides, *scalars, splits,
+            q, k_store, v_store, pos, out, part_acc, part_m, part_l, sink,
+            *strides, *scalars, splits, launch.cap_scale,
             BLOCK_M=split_m, PART_ROWS=part_rows, SPLIT=True, **constexprs,
         )
         wrap_triton(_combine_splits_kernel)[(split_tiles * small, b * hkv, 1)](
@@ -359,8 +372,8 @@ def prefill_step(
     tiled_tiles = (group * t + _TILED_BLOCK_M - 1) // _TILED_BLOCK_M
     if not _statically_zero(large):
         wrap_triton(_attend_kernel)[(tiled_tiles * large, b * hkv, 1)](
-            q, k_store, v_store, pos, out, part_acc, part_m, part_l,
-            *strides, *scalars, 1,
+            q, k_store, v_store, pos, out, part_acc, part_m, part_l, sink,
+            *strides, *scalars, 1, launch.cap_scale,
             BLOCK_M=_TILED_BLOCK_M, PART_ROWS=part_rows, SPLIT=False, **constexprs,
         )
     return out

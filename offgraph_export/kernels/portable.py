@@ -14,12 +14,17 @@ whose other inputs are empty becomes a stride-preserving ``clone``). A ``reshape
 dims is recorded as a ``view`` where the traced layout allowed one, which then fails to compile
 for the other layout. So every input the step reshapes is first copied by :func:`dense_copy` into
 the one layout its shape has, by an op every trace keeps.
+
+Soft-capping and sinks (docs/design.md section 2) are the reference cache's own functions
+(:func:`~offgraph_export.reference.cache.soft_cap`, :func:`~offgraph_export.reference.cache.attention_probs`),
+so the portable step and the oracle apply one rule.
 """
 
 from __future__ import annotations
 
 import torch
 
+from offgraph_export.reference.cache import attention_probs, soft_cap
 from offgraph_export.specs.manifest import row_position, storage_row
 
 __all__ = ["dense_copy", "portable_update_and_attend"]
@@ -46,7 +51,11 @@ def portable_update_and_attend(
     window: int | None,
     scale: float,
     out_dtype: torch.dtype,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """Write the step's rows, then attend (fp32) over the valid rows; ``softcap`` caps the scores
+    before the mask, ``sinks [Hq]`` join each row's softmax (design section 2)."""
     b, hq, t, d = q.shape
     hkv = k.shape[1]
     rows = k_store.shape[2]
@@ -68,9 +77,9 @@ def portable_update_and_attend(
     group = hq // hkv
     # Merging the group into the token dim is a view of the dense copy, whatever q's strides.
     qf = dense_copy(q, torch.float32).reshape(b, hkv, group * t, d)
-    scores = torch.matmul(qf, keys.transpose(-1, -2)) * scale
+    scores = soft_cap(torch.matmul(qf, keys.transpose(-1, -2)) * scale, softcap)
     scores = scores.reshape(b, hkv, group, t, rows)
     scores = torch.where(allowed, scores, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).reshape(b, hkv, group * t, rows)
+    probs = attention_probs(scores, sinks).reshape(b, hkv, group * t, rows)
     out = torch.matmul(probs, values)
     return out.reshape(b, hq, t, v_store.shape[-1]).to(out_dtype)

@@ -2,7 +2,10 @@
 was. Each has the signature of :func:`~offgraph_export.kernels.portable.portable_update_and_attend`
 ``(q, k, v, position, k_store, v_store, window, scale, out_dtype) -> out``: it writes this step's
 K/V rows into the storage in place (rows by :func:`~offgraph_export.specs.manifest.storage_row`)
-and attends over the valid rows; ``window`` None is a flat layer.
+and attends over the valid rows; ``window`` None is a flat layer. A layer with soft-capping or
+sinks also gets keywords ``softcap`` (a float) and ``sinks`` (``[Hq]``), and only then, so a custom
+step without them still serves every other model; the batched (paged) steps take neither, and the
+strip pass refuses such a layer for them.
 
 Implementations are imported when asked for, so choosing ``portable`` never imports triton.
 """

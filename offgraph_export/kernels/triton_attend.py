@@ -47,6 +47,7 @@ from offgraph_export.kernels.attend_decode import decode_step
 from offgraph_export.kernels.attend_prefill import prefill_step
 from offgraph_export.kernels.portable import dense_copy
 from offgraph_export.kernels.triton_base import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
+from offgraph_export.reference.cache import softcap_problem
 
 __all__ = ["triton_update_and_attend", "OP_NAME"]
 
@@ -65,10 +66,13 @@ def _lowered_step(
     out_dtype: torch.dtype,
     rope_cos: Optional[torch.Tensor] = None,
     rope_sin: Optional[torch.Tensor] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Body of the triton_op (``window`` None: a flat layer). ``rope_cos``/``rope_sin``: the
     step's rotary rows (one position, ``D`` values each, q's dtype); q and k then arrive
-    unrotated and a one-token step rotates them in its kernel (``passes/decode_rope.py``)."""
+    unrotated and a one-token step rotates them in its kernel (``passes/decode_rope.py``).
+    ``softcap``/``sinks``: design section 2 (``sinks`` ``[Hq]``, unit stride, as a parameter)."""
     b, hq, t, _ = q.shape
     hkv = k.shape[1]
     rows = k_store.shape[2]
@@ -91,14 +95,17 @@ def _lowered_step(
         q, k, v = dense_copy(q), dense_copy(k), dense_copy(v)
         pos = dense_copy(position).reshape(-1)
     torch._check(pos.shape[0] == t, lambda: "position must hold one entry per token")
-    launch = AttendLaunch.for_step(q, k, v, k_store, v_store, window, scale)
+    if sinks is not None:
+        torch._check(sinks.dim() == 1 and sinks.shape[0] == hq, lambda: f"sinks must have shape [{hq}]")
+        torch._check(sinks.stride(0) == 1, lambda: "sinks must have unit stride")
+    launch = AttendLaunch.for_step(q, k, v, k_store, v_store, window, scale, softcap, sinks is not None)
     d = launch.head_dim
     out = torch.empty((b, hq, t, launch.v_dim), dtype=out_dtype, device=q.device)
     rope = rope_rows(rope_cos, rope_sin, q, k, d, one_token)
     if one_token:
         # A concrete one-token step (the decode method, or an eager call): its own kernels.
-        return decode_step(q, k, v, pos, k_store, v_store, out, launch, rope)
-    return prefill_step(q, k, v, pos, k_store, v_store, out, launch)
+        return decode_step(q, k, v, pos, k_store, v_store, out, launch, rope, sinks=sinks)
+    return prefill_step(q, k, v, pos, k_store, v_store, out, launch, sinks)
 
 
 if _TRITON_IMPORT_ERROR is None:
@@ -119,6 +126,8 @@ def triton_update_and_attend(
     out_dtype: torch.dtype,
     rope_cos: torch.Tensor | None = None,
     rope_sin: torch.Tensor | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write this step's rows into ``k_store``/``v_store`` in place and attend over the valid rows.
 
@@ -129,7 +138,9 @@ def triton_update_and_attend(
     ``[B,Hq,T,Dv]`` in ``out_dtype``. Calls the ``offgraph_lowered::triton_update_and_attend`` op,
     so ``torch.export`` records one node and AOTInductor compiles its kernels. ``rope_cos``/
     ``rope_sin`` (one-token steps only): q and k are unrotated and the kernel applies the rotary
-    embedding ``x * cos + rotate_half(x) * sin`` with these ``D``-value rows.
+    embedding ``x * cos + rotate_half(x) * sin`` with these ``D``-value rows. ``softcap`` (a
+    positive float) caps the scores before the mask; ``sinks`` (``[Hq]``) join each row's softmax
+    (docs/design.md section 2).
     """
     if _TRITON_IMPORT_ERROR is not None:
         raise ExportError(
@@ -139,7 +150,10 @@ def triton_update_and_attend(
         )
     if window is not None and (not isinstance(window, int) or window <= 0):
         raise ExportError(f"window must be None (flat) or a positive int, got {window!r}")
+    problem = softcap_problem(softcap)
+    if problem:
+        raise ExportError(problem)
     return _lowered_step_op(
         q, k, v, position, k_store, v_store, window, float(scale),
-        out_dtype, rope_cos, rope_sin,
+        out_dtype, rope_cos, rope_sin, float(softcap) if softcap is not None else None, sinks,
     )

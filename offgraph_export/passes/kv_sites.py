@@ -1,7 +1,9 @@
 """Find the neutral KV op nodes of a graph and read their arguments.
 
 Shared by every pass: one place that knows the op's schema
-``(q, k, v, position, layer_id, scale, out_dtype)`` and the targets that carry it.
+``(q, k, v, position, layer_id, scale, out_dtype[, softcap][, sinks])`` and the targets that carry
+it. The two trailing arguments are optional (absent from ExecuTorch's ``kvcache::`` op, left out
+of a call that keeps their default): a site without them reads None.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from offgraph_export.passes.graph_utils import op_arguments
 __all__ = ["KvSite", "find_kv_sites", "is_neutral_op", "same_size"]
 
 _ARG_NAMES = ("q", "k", "v", "position", "layer_id", "scale", "out_dtype")
+#: optional trailing arguments, None where a node leaves them out
+_OPTIONAL_NAMES = ("softcap", "sinks")
 
 
 def same_size(a: object, b: object) -> bool:
@@ -46,6 +50,10 @@ class KvSite:
     layer_id: object
     scale: object
     out_dtype: object
+    #: a constant float (soft-capping) or None
+    softcap: object = None
+    #: the node of the ``[Hq]`` sink logits (a parameter of the program) or None
+    sinks: fx.Node | None = None
 
     def val(self, name: str) -> torch.Tensor:
         arg = getattr(self, name)
@@ -67,5 +75,6 @@ def find_kv_sites(graph: fx.Graph) -> list[KvSite]:
                 f"node {node.name} ({node.target}) lacks arguments {missing}; expected the schema "
                 f"update_and_attend{_ARG_NAMES}"
             )
-        sites.append(KvSite(node=node, **{n: values[n] for n in _ARG_NAMES}))
+        optional = {n: values.get(n) for n in _OPTIONAL_NAMES}
+        sites.append(KvSite(node=node, **{n: values[n] for n in _ARG_NAMES}, **optional))
     return sites

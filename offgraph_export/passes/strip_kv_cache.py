@@ -7,6 +7,11 @@ neutral-op node calls the chosen step implementation on its layer's storage, the
 once more with ``torch.export``. Export itself then declares the new user inputs, records the
 in-place writes as user-input mutations and keeps the graph signature consistent; the flat layers'
 row count becomes one dynamic dimension (``capacity``) shared by all flat layers.
+
+A node's optional ``softcap`` (a constant) and ``sinks`` (a value of the graph: the model's
+parameter, which stays a parameter of the stripped program) go to the step implementation as
+keywords, and only where set, so a custom step written before them still serves models without
+them. The batched (paged) steps implement neither: such a program is refused here, by name.
 """
 
 from __future__ import annotations
@@ -36,10 +41,37 @@ class _LayerStep:
         self.layer = layer
         self.__name__ = f"offgraph_lowered_step_layer_{layer.layer_id}"
 
-    def __call__(self, q, k, v, position, layer_id, scale, out_dtype):
+    def __call__(self, q, k, v, position, layer_id, scale, out_dtype, softcap=None, sinks=None):
         k_store, v_store = self.owner.bound[self.layer.layer_id]
+        extras = _attention_extras(softcap, sinks)
         return self.owner.impl(
-            q, k, v, position, k_store, v_store, *self.owner.batch, self.layer.window, float(scale), out_dtype
+            q, k, v, position, k_store, v_store, *self.owner.batch, self.layer.window, float(scale), out_dtype,
+            **extras,
+        )
+
+
+def _attention_extras(softcap: object, sinks: object) -> dict[str, object]:
+    """The optional arguments a step implementation is given: only those set."""
+    extras: dict[str, object] = {}
+    if softcap is not None:
+        extras["softcap"] = float(softcap)  # type: ignore[arg-type]
+    if sinks is not None:
+        extras["sinks"] = sinks
+    return extras
+
+
+def _refuse_paged_extras(sites: list[KvSite]) -> None:
+    """The batched steps (``kernels/portable_paged.py``, ``kernels/paged_attend.py``) have neither
+    soft-capping nor sinks: refuse such a model by name rather than drop them."""
+    features = {
+        "attention logit soft-capping": [s.layer_id for s in sites if s.softcap is not None],
+        "attention sinks": [s.layer_id for s in sites if s.sinks is not None],
+    }
+    found = [f"{name} (layers {layers})" for name, layers in features.items() if layers]
+    if found:
+        raise ExportError(
+            f"a batched export (--max-sessions) does not support {' or '.join(found)}; "
+            "export without --max-sessions (one session per artifact)"
         )
 
 
@@ -174,6 +206,8 @@ def strip_kv_cache(
     gm = ep.module()
     sites = find_kv_sites(gm.graph)
     _check_manifest_matches_sites(sites, manifest)
+    if paging is not None:
+        _refuse_paged_extras(sites)
     batch_names = [i.name for i in paging.inputs] if paging is not None else []
     all_names = [*names, *(s.name for s in manifest.storage_inputs()), *batch_names]
     stripped = _StrippedModule.named(all_names)(gm, manifest, len(names), step)

@@ -1,7 +1,8 @@
 """Validate the neutral-op sites of a traced graph before anything is rewritten.
 
 Every later stage assumes: layer ids are constant and unique, positions are ``[T]`` or ``[T, 1]``
-int64, and q/k/v agree on batch, width and head dims (``Hq`` a multiple of ``Hkv``). Catching these
+int64, q/k/v agree on batch, width and head dims (``Hq`` a multiple of ``Hkv``), and the optional
+``softcap`` is a positive constant and ``sinks`` an ``[Hq]`` tensor. Catching these
 here gives a message naming the node instead of a shape error deep inside lowering. The sites are
 validated once, by this pass; whether they agree with a given manifest is the strip pass's check
 (the only pass that takes a manifest it did not build).
@@ -17,6 +18,7 @@ from torch.export import ExportedProgram
 from offgraph_export.errors import ExportError
 from offgraph_export.passes.kv_sites import KvSite, find_kv_sites, same_size
 from offgraph_export.passes.result import PassResult
+from offgraph_export.reference.cache import sinks_problem, softcap_problem
 
 __all__ = ["validate_kv_sites"]
 
@@ -44,6 +46,11 @@ def validate_kv_sites(ep: ExportedProgram) -> PassResult[list[KvSite]]:
                 or not math.isfinite(site.scale)):
             problems.append(f"{name}: scale must be a finite constant float, got {site.scale!r}")
         q, k, v, pos = (site.val(n) for n in ("q", "k", "v", "position"))
+        problem = softcap_problem(site.softcap) or (
+            sinks_problem(site.val("sinks"), q.shape[1]) if site.sinks is not None else None
+        )
+        if problem:
+            problems.append(f"{name}: {problem}")
         if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
             problems.append(
                 f"{name}: q, k, v must be rank-4 BHSD, got ranks {q.dim()}, {k.dim()}, {v.dim()}"

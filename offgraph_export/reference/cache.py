@@ -4,12 +4,17 @@ Plain, obviously-correct code: each layer keeps its history as tensors with the 
 of every row, and attention masks by positions (causal, and for ring layers the sliding window).
 A :class:`ReferenceCaches` set holds one cache per layer for one session; ``activate()`` makes it
 the set the neutral op uses in the current context, so several sessions can live in one process.
+
+The two optional features of the op (docs/design.md section 2) are written here once and imported
+by the portable step: :func:`soft_cap` (Gemma 2's logit soft-capping) and :func:`attention_probs`
+(the softmax, with GPT-OSS's per-head sink logit joining each row and its probability dropped).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -22,7 +27,11 @@ __all__ = [
     "ReferenceCaches",
     "active_caches",
     "attend_by_position",
+    "attention_probs",
     "normalize_position",
+    "sinks_problem",
+    "soft_cap",
+    "softcap_problem",
 ]
 
 _ACTIVE: contextvars.ContextVar["ReferenceCaches | None"] = contextvars.ContextVar(
@@ -43,6 +52,50 @@ def normalize_position(position: torch.Tensor, width: int) -> torch.Tensor:
     return position
 
 
+def softcap_problem(softcap: object) -> str | None:
+    """What is wrong with a ``softcap`` argument (None: nothing): it must be None or a finite
+    positive constant float (an int is taken as one; a bool is not)."""
+    if softcap is None:
+        return None
+    if (not isinstance(softcap, (int, float)) or isinstance(softcap, bool)
+            or not math.isfinite(softcap) or softcap <= 0):
+        return f"softcap must be None or a finite positive float, got {softcap!r}"
+    return None
+
+
+def sinks_problem(sinks: object, query_heads: object) -> str | None:
+    """What is wrong with a ``sinks`` argument (None: nothing): None, or a floating tensor of one
+    logit per query head, ``[Hq]``."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor) or not sinks.dtype.is_floating_point:
+        return f"sinks must be None or a floating tensor [Hq], got {getattr(sinks, 'dtype', type(sinks).__name__)}"
+    if sinks.dim() != 1 or str(sinks.shape[0]) != str(query_heads):
+        return f"sinks must have shape [Hq] = [{query_heads}], got {tuple(sinks.shape)}"
+    return None
+
+
+def soft_cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Logit soft-capping of (fp32) ``scores``: ``tanh(scores / softcap) * softcap``, the three
+    ops in that order as transformers' Gemma 2 writes them; ``scores`` unchanged for None."""
+    if softcap is None:
+        return scores
+    return torch.tanh(scores / softcap) * softcap
+
+
+def attention_probs(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """The softmax over the last dim of masked fp32 ``scores [B, Hkv, group, T, L]`` (-inf where
+    unseen). With ``sinks [Hq]`` (query head ``h = kv_head * group + g``) each row's softmax also
+    runs over its head's sink logit (cast to fp32), whose probability is then dropped:
+    ``p_j = exp(s_j - m) / (sum_i exp(s_i - m) + exp(sink - m))``, ``m`` the row's max over its
+    scores and the sink."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    b, hkv, group, t = scores.shape[:4]
+    sink = sinks.float().reshape(1, hkv, group, 1, 1).expand(b, hkv, group, t, 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+
+
 def attend_by_position(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -52,20 +105,24 @@ def attend_by_position(
     scale: float,
     window: int | None,
     out_dtype: torch.dtype,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``q [B,Hq,T,D]`` over ``keys [B,Hkv,L,D]``/``values [B,Hkv,L,Dv]`` whose rows
     sit at absolute positions ``k_pos [L]``. Query i sees key j iff ``k_pos[j] <= q_pos[i]`` and,
-    with a window, ``k_pos[j] > q_pos[i] - window``. Computed in float32."""
+    with a window, ``k_pos[j] > q_pos[i] - window``. Scores are soft-capped (:func:`soft_cap`)
+    before masking, and the softmax takes the sinks (:func:`attention_probs`). Computed in
+    float32."""
     b, hq, t, d = q.shape
     hkv = keys.shape[1]
     group = hq // hkv
     qf = q.float().reshape(b, hkv, group, t, d)
-    scores = torch.einsum("bhgtd,bhld->bhgtl", qf, keys.float()) * scale
+    scores = soft_cap(torch.einsum("bhgtd,bhld->bhgtl", qf, keys.float()) * scale, softcap)
     allowed = k_pos[None, :] <= q_pos[:, None]
     if window is not None:
         allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
     scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    probs = attention_probs(scores, sinks)
     out = torch.einsum("bhgtl,bhld->bhgtd", probs, values.float())
     return out.reshape(b, hq, t, values.shape[-1]).to(out_dtype)
 
@@ -103,8 +160,13 @@ class ReferenceLayerCache:
         position: torch.Tensor,
         scale: float,
         out_dtype: torch.dtype,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         self._check_shapes(q, k, v)
+        problem = softcap_problem(softcap) or sinks_problem(sinks, q.shape[1])
+        if problem:
+            raise OffgraphError(f"layer {self.layer_id}: {problem}")
         width = k.shape[2]
         pos = normalize_position(position, width)
         start = self.committed_length
@@ -133,7 +195,9 @@ class ReferenceLayerCache:
             keys = torch.cat([keys, k_rows], dim=2)
             values = torch.cat([values, v_rows], dim=2)  # type: ignore[list-item]
             positions = torch.cat([positions, pos])  # type: ignore[list-item]
-        out = attend_by_position(q, keys, values, pos, positions, scale, self.window, out_dtype)
+        out = attend_by_position(
+            q, keys, values, pos, positions, scale, self.window, out_dtype, softcap, sinks
+        )
         # committed only once the step computed: a failure leaves the history as it was
         self.keys, self.values, self.positions = keys, values, positions
         self.committed_length += width

@@ -9,7 +9,9 @@ has two modes, chosen by context variables so that the model's own code needs no
   soft-cap, sinks, mask, extra arguments, shapes, call count) and returns zeros; the features the neutral op
   cannot express are refused from that record and from the config, naming feature and layer;
 * inside :func:`stepping` (the wrapper's forward) it calls the neutral op with the module's
-  ``layer_idx``, its ``scaling`` and the step's positions.
+  ``layer_idx``, its ``scaling``, the step's positions and, where the layer has them, its
+  soft-cap (the ``softcap`` argument Gemma 2 passes) and sinks (the ``s_aux`` argument GPT-OSS
+  passes, or the module's ``sinks`` parameter, which its eager attention reads): :func:`_extras`.
 
 The function and the probe that reads it live together because the probe's record is only as
 good as the function's view of each call.
@@ -28,6 +30,7 @@ from torch import nn
 
 from offgraph_export.errors import ExportError
 from offgraph_export.ops import update_and_attend
+from offgraph_export.reference.cache import sinks_problem, softcap_problem
 
 __all__ = [
     "ATTENTION_NAME",
@@ -40,8 +43,8 @@ __all__ = [
 
 ATTENTION_NAME = "offgraph"
 
-# Keyword arguments an attention function may receive that change nothing for the neutral op
-# (the features that do, soft-capping and sinks, are checked by name).
+# Keyword arguments an attention function may receive that change nothing for the neutral op, or
+# that it takes by name (soft-capping and sinks: :func:`_extras`).
 _NEUTRAL_KWARGS = frozenset({
     "position_ids", "sliding_window", "dropout", "scaling", "output_attentions", "use_cache",
     "softcap", "s_aux", "sinks", "is_causal", "output_router_logits",
@@ -56,10 +59,11 @@ class _Call:
     """What one layer's attention module passed to the attention function."""
 
     sliding_window: int | None
-    softcap: float | None
-    sinks: bool
+    softcap: object
+    sinks: torch.Tensor | None
     causal: bool
     masked: bool
+    q_heads: int
     q_tokens: int
     k_tokens: int
     extra: list[str]
@@ -79,18 +83,32 @@ _PROBE: contextvars.ContextVar[dict[int, list[_Call]] | None] = contextvars.Cont
 _STEP: contextvars.ContextVar[_Step | None] = contextvars.ContextVar("offgraph_hf_step", default=None)
 
 
+def _extras(module: nn.Module, kwargs: dict[str, Any]) -> tuple[object, torch.Tensor | None]:
+    """``(softcap, sinks)`` of a layer's call, None where it has none: ``softcap`` as the module
+    passes it; the sinks it passes (``s_aux``, or ``sinks``), else the module's own ``sinks``
+    tensor, which transformers' eager GPT-OSS attention reads whatever is passed."""
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = kwargs.get("sinks")
+    if sinks is None and isinstance(getattr(module, "sinks", None), torch.Tensor):
+        sinks = module.sinks
+    return kwargs.get("softcap"), sinks
+
+
 def _offgraph_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention-function signature; returns ``(out [B,T,Hq,Dv], None)``."""
     layer = module.layer_idx
+    softcap, sinks = _extras(module, kwargs)
     record = _PROBE.get()
     if record is not None:
         record.setdefault(layer, []).append(
             _Call(
                 sliding_window=kwargs.get("sliding_window"),
-                softcap=kwargs.get("softcap"),
-                sinks=kwargs.get("s_aux", kwargs.get("sinks")) is not None or hasattr(module, "sinks"),
+                softcap=softcap,
+                sinks=sinks,
                 causal=bool(getattr(module, "is_causal", True)),
                 masked=attention_mask is not None,
+                q_heads=int(query.shape[1]),
                 q_tokens=int(query.shape[2]),
                 k_tokens=int(key.shape[2]),
                 extra=sorted(set(kwargs) - _NEUTRAL_KWARGS),
@@ -111,7 +129,10 @@ def _offgraph_attention(module, query, key, value, attention_mask, scaling=None,
             f"{step.windows.get(layer)}"
         )
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-    out = update_and_attend(query, key, value, step.position, layer, scale, query.dtype)
+    softcap = float(softcap) if softcap is not None else None
+    out = update_and_attend(
+        query, key, value, step.position, layer, scale, query.dtype, softcap=softcap, sinks=sinks
+    )
     return out.transpose(1, 2), None
 
 
@@ -164,8 +185,6 @@ def _config_refusals(config) -> list[str]:
         found.append("encoder-decoder models (cross-attention over an encoder)")
     if getattr(text, "add_cross_attention", False):
         found.append("cross-attention (add_cross_attention=True)")
-    if getattr(text, "attn_logit_softcapping", None):
-        found.append(f"attention logit soft-capping (attn_logit_softcapping={text.attn_logit_softcapping})")
     attn_config = getattr(text, "attn_config", None)
     if (
         getattr(text, "alibi", False)
@@ -221,10 +240,9 @@ def refusals(model: nn.Module) -> tuple[list[str], dict[int, int]]:
             )
             continue
         call = calls[0]
-        if call.softcap is not None:
-            problems.append(f"layer {layer}: attention logit soft-capping (softcap={call.softcap})")
-        if call.sinks:
-            problems.append(f"layer {layer}: attention sinks")
+        problem = softcap_problem(call.softcap) or sinks_problem(call.sinks, call.q_heads)
+        if problem:
+            problems.append(f"layer {layer}: {problem}")
         if not call.causal:
             problems.append(f"layer {layer}: non-causal attention")
         if call.masked:
