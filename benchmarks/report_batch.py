@@ -141,6 +141,13 @@ def render(out: Path) -> str:
                          f"{b.get('compile_s', 0):.0f} s | {_gb(b.get('bytes'))} | {', '.join(b.get('methods', []))} | `{b.get('command', '')}` |")
     if data.get("loads"):
         lines += ["", "Package load: " + ", ".join(f"{k} {v['seconds']:.1f} s" for k, v in data["loads"].items())]
+        staged = {k: v for k, v in data["loads"].items() if v.get("stages")}
+        if staged:  # Artifact.load_seconds (and the batched runner's set-up)
+            lines += ["", "| load | " + " | ".join(next(iter(staged.values()))["stages"]) + " | runner |",
+                      "|---|" + "---|" * (len(next(iter(staged.values()))["stages"]) + 1)]
+            for k, v in staged.items():
+                runner = f"{v['runner']:.1f} s" if "runner" in v else "-"
+                lines.append(f"| {k} | " + " | ".join(f"{x:.1f} s" for x in v["stages"].values()) + f" | {runner} |")
     if data.get("skipped"):
         lines += ["", "Skipped:", ""] + [f"- {s['what']}: {s['why']}" for s in data["skipped"]]
     if data.get("errors"):

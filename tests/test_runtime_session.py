@@ -257,6 +257,14 @@ def test_sessions_share_the_program_not_the_loader(loaded_example):
     assert s1.storage is not s2.storage
 
 
+def test_load_reports_its_stages(loaded_example):
+    """``Artifact.load`` times each stage it ran, in order; one made around loaded methods has none."""
+    stages = loaded_example.load_seconds
+    assert list(stages) == ["verify", "loader", "cross_check", "weights", "constants"]
+    assert all(s >= 0 for s in stages.values()) and sum(stages.values()) > 0
+    assert Artifact(loaded_example.path, loaded_example.specs, loaded_example.methods).load_seconds == {}
+
+
 def test_session_metrics(loaded_example, example_bundle):
     session = loaded_example.new_session()
     ring_rows = 16 + 32 - 1

@@ -10,6 +10,7 @@ corrupt, inconsistent or path-traversing archives; they cannot make a malicious 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -64,6 +65,9 @@ class Artifact:
         # loader.run: no pytree work per call
         self._runs = {name: m.loader.run for name, m in methods.items()}  # type: ignore[attr-defined]
         self._checks_on: set[str] = set()  # methods whose compiled input checks are latched on
+        #: seconds per stage of :meth:`load` (``verify``, ``loader``, ``cross_check``, ``weights``,
+        #: ``constants``); empty for an artifact made otherwise
+        self.load_seconds: dict[str, float] = {}
 
     @property
     def device(self) -> torch.device:
@@ -78,29 +82,37 @@ class Artifact:
         loader reads the entries that were checked and no others, bounded counts and sizes, every
         checksum) before torch's loader opens it."""
         path = Path(path)
+        clock = _StageClock()
         specs = read_artifact_specs(path, verify_crc=True)
         if specs.device == "cuda" and not torch.cuda.is_available():
             raise ArtifactError(f"{path} was compiled for cuda but no CUDA device is available")
         check_pt2_layout([i.filename for i in check_archive(path, verify_crc=False)], str(path), specs.methods)
+        clock.stage("verify")
         try:
             from torch.export.pt2_archive._package import load_pt2
 
             runners = load_pt2(str(path), run_single_threaded=single_threaded).aoti_runners
         except Exception as exc:  # loader raises RuntimeError/others from C++
             raise ArtifactError(f"cannot load the compiled program in {path}: {exc}") from exc
+        clock.stage("loader")
         for method in specs.methods:
             cls._cross_check(path, specs, runners[method], method)
+        clock.stage("cross_check")
         device = _current_device(specs.device)
         # each view sized by the dtype its method was compiled for, before any weight file is read
         descriptions = {method: runners[method].get_metadata()[CONSTANTS_KEY] for method in specs.methods}
         weights = load_method_weights(path, specs.methods, device, constants=descriptions)
+        clock.stage("weights")
         for method in specs.methods:
             check_constants(weights[method], runners[method].get_metadata()[CONSTANTS_KEY], method, str(path))
             try:
                 runners[method].load_constants(weights[method], check_full_update=True, user_managed=True)
             except Exception as exc:  # C++ errors: a missing or mis-shaped constant
                 raise ArtifactError(f"{path}: the weights do not fit method {method!r}: {exc}") from exc
-        return cls(path, specs, {m: runners[m] for m in specs.methods}, single_threaded, device)
+        clock.stage("constants")
+        artifact = cls(path, specs, {m: runners[m] for m in specs.methods}, single_threaded, device)
+        artifact.load_seconds = clock.seconds
+        return artifact
 
     @staticmethod
     def _cross_check(path: Path, specs: ArtifactSpecs, compiled: object, method: str) -> None:
@@ -180,3 +192,16 @@ class Artifact:
         from offgraph_export.runtime.session import Session
 
         return Session(self, **kwargs)
+
+
+class _StageClock:
+    """Seconds per named stage, each from the end of the one before (``time.perf_counter``)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def stage(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = now - self._last
+        self._last = now
