@@ -14,6 +14,7 @@ __all__ = [
     "DIM_HINT_TAKES_RANGE",
     "DECOMPOSES_TRITON_OPS",
     "MODULE_CHECKS_GUARDS",
+    "aoti_shim_lacks",
     "dynamic_dim",
     "decompose",
     "unlifted_module",
@@ -69,3 +70,21 @@ def decompose(ep: ExportedProgram) -> ExportedProgram:
     return ep.run_decompositions({})
 
 
+
+
+def aoti_shim_lacks(device: str, op_names: "list[str]") -> list[str]:
+    """Which of the aten ops ``op_names`` (``_grouped_mm``) AOTInductor's C shim for ``device``
+    does not declare, so that a package calling them fails to compile (torch 2.11's CUDA shim
+    lacks ``_grouped_mm``, which transformers' mixture-of-experts layers call; 2.13's has it).
+    Read from the shim header torch ships; none where the header is absent (nothing known)."""
+    import os
+
+    import torch
+
+    header = os.path.join(os.path.dirname(torch.__file__), "include", "torch", "csrc", "inductor",
+                          "aoti_torch", "generated", f"c_shim_{device}.h")
+    if not os.path.isfile(header):
+        return []
+    with open(header, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    return [name for name in op_names if f"aoti_torch_{device}_{name}(" not in text]

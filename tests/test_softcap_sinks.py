@@ -334,11 +334,17 @@ def test_cuda_export_checks_against_transformers(name, hf_exported, tmp_path):
     from offgraph_export.runtime import Artifact
 
     ref = hf_exported.ref(name)
-    bundle = load_bundle(ref, dtype="bfloat16", **HF_CACHE)
-    path, _, _ = export_and_lower(bundle, tmp_path / f"{name}.pt2", model=ref, device="cuda")
-    artifact = Artifact.load(path)
+
+    def bundle():
+        made = load_bundle(ref, dtype="bfloat16", **HF_CACHE)
+        if name == "gpt_oss":  # torch 2.11's AOTInductor cannot compile its experts' _grouped_mm for cuda
+            made.model.hf.set_experts_implementation("batched_mm")
+        return made
+
+    path, _, _ = export_and_lower(bundle(), tmp_path / f"{name}.pt2", model=ref, device="cuda")
+    artifact = Artifact.load(path, single_threaded=True)
     for graphs in (False, True):
-        report = check_artifact(artifact, load_bundle(ref, dtype="bfloat16", **HF_CACHE), cuda_graphs=graphs)
+        report = check_artifact(artifact, bundle(), cuda_graphs=graphs)
         assert report.passed, report.render()
 
 

@@ -250,7 +250,7 @@ def decode_step(
     part_acc, part_m, part_l = partial_buffers(b * hkv, splits, block_m, launch.block_dv, q.device)
     wrap_triton = torch.library.wrap_triton
     cos, sin = rope if rope is not None else (pos, pos)  # unread without ROPE
-    sink = sinks if sinks is not None else pos  # unread without HAS_SINKS
+    sink = sinks  # None without HAS_SINKS: a constexpr None, never loaded (no alias of another argument)
     wrap_triton(_decode_attend_kernel)[(b * hkv, splits, 1)](
         q, k, v, k_store, v_store, pos, out, part_acc, part_m, part_l, cos, sin, sink,
         q.stride(0), q.stride(1), q.stride(3),

@@ -340,7 +340,7 @@ def prefill_step(
     )
 
     constexprs = {**launch.constexprs(), **launch.feature_constexprs(), "MIN_SPLIT_KEYS": _MIN_SPLIT_KEYS}
-    sink = sinks if sinks is not None else pos  # unread without HAS_SINKS
+    sink = sinks  # None without HAS_SINKS: a constexpr None, never loaded (no alias of another argument)
     strides = (*q.stride(), *k_store.stride()[:3], *v_store.stride()[:3], *out.stride()[:3])
     scalars = (pos.stride(0), t, rows, launch.window, hkv, launch.qk_scale)
 

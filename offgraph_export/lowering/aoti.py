@@ -20,9 +20,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.export import ExportedProgram
 
-from offgraph_export.compat import AOTI_CHECKS_LOWERBOUND, unlifted_module
+from offgraph_export.compat import AOTI_CHECKS_LOWERBOUND, aoti_shim_lacks, unlifted_module
 from offgraph_export.errors import ArtifactError, ExportError
 from offgraph_export.lowering.output_files import publish, staging
 from offgraph_export.specs.archive import check_package_stem
@@ -101,6 +102,27 @@ def _check_stored_weights(files: list[Any], constants: str, method: str) -> None
         raise ExportError(str(exc)) from exc
 
 
+#: aten ops a decoder may call whose AOTInductor C shim some torch versions lack (``aten.X``)
+_SHIM_CHECKED = ("_grouped_mm",)
+
+
+def _refuse_unshimmed_ops(programs: Mapping[str, ExportedProgram], device: str) -> None:
+    """Refuse, before minutes of compiling, a program calling an op this torch's AOTInductor cannot
+    emit for ``device`` (the C++ wrapper would not compile: ``aoti_torch_cuda__grouped_mm`` was not
+    declared)."""
+    called = {str(n.target).split(".")[1] for ep in programs.values() for n in ep.graph.nodes
+              if n.op == "call_function" and str(n.target).startswith("aten.")
+              and str(n.target).split(".")[1] in _SHIM_CHECKED}
+    lacking = aoti_shim_lacks(device, sorted(called))
+    if lacking:
+        raise ExportError(
+            f"the model calls aten.{lacking[0]} (a mixture-of-experts layer), which AOTInductor of torch "
+            f"{torch.__version__} cannot compile for {device} (its C shim lacks it; torch 2.13 has it): use a "
+            "newer torch, or for a transformers model set model.set_experts_implementation('batched_mm') "
+            "(the Python API) before exporting"
+        )
+
+
 def compile_package(
     programs: Mapping[str, ExportedProgram],
     path: str | os.PathLike,
@@ -124,6 +146,7 @@ def compile_package(
         ) from exc
     if sorted(programs) != sorted(specs.methods):
         raise ExportError(f"got programs for methods {sorted(programs)}, the specs name {specs.methods}")
+    _refuse_unshimmed_ops(programs, specs.device)
     # The archive's root folder is named after the file stem, so keep the stem.
     with staging(target) as tmp_dir:
         tmp = tmp_dir / target.name
