@@ -208,7 +208,7 @@ def test_check_batched_catches_a_row_written_into_another_sessions_page(loaded_b
     def shifted(self, feeds, plan, width):
         fill(self, feeds, plan, width)
         if self._steps == 5:  # one step writes its first token's row into the next page
-            self._int[1, 0] += self.paging.page_size
+            self._views(width).dev_int[1, 0] += self.paging.page_size
     monkeypatch.setattr(BatchedRunner, "_fill", shifted)
     report = check_batched(loaded_batched, example_bundle, sessions=4, steps=10)
     assert not report.passed

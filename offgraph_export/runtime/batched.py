@@ -75,6 +75,19 @@ class _Session:
     table_rows: int = 0
 
 
+@dataclass
+class _Staging:
+    """One width's ``[2, row]`` views of the runner's token buffers: device, host (pinned on
+    cuda) and the host's numpy view (a numpy store costs ~0.1 us, a tensor ``__setitem__`` ~5)."""
+
+    dev_long: torch.Tensor  # tokens, positions
+    host_long: torch.Tensor
+    np_long: object
+    dev_int: torch.Tensor  # slots, rows
+    host_int: torch.Tensor
+    np_int: object
+
+
 class _StepGraph:
     """One captured step of a padded width over the runner's fixed buffers."""
 
@@ -148,18 +161,21 @@ class BatchedRunner:
         self._ids = itertools.count()
         width = _aligned(manifest.max_write)
         # fixed-address device buffers (views of them are the program's inputs) and host mirrors
-        self._long = torch.zeros(2, width, dtype=torch.int64, device=self.device)  # tokens, positions
-        self._int = torch.zeros(2, width, dtype=torch.int32, device=self.device)  # slots, rows
+        # tokens and positions (int64), slots and rows (int32): flat buffers whose first 2 * row
+        # entries, viewed [2, row], are a step of width w's (row: w rounded up to 4; contiguous on
+        # both sides, so one plain copy each, where the [:, :w] slice of a [2, max] buffer made
+        # torch stage a pageable copy and launch a kernel, twice a step)
+        self._long = torch.zeros(2 * width, dtype=torch.int64, device=self.device)
+        self._int = torch.zeros(2 * width, dtype=torch.int32, device=self.device)
         self._table = torch.zeros(paging.slots, paging.pages_per_session, dtype=torch.int32, device=self.device)
         self._lengths = torch.zeros(paging.slots, dtype=torch.int32, device=self.device)
         pin = self.device.type == "cuda"
-        self._host_long = torch.zeros(2, width, dtype=torch.int64, pin_memory=pin)
-        self._host_int = torch.zeros(2, width, dtype=torch.int32, pin_memory=pin)
+        self._host_long = torch.zeros(2 * width, dtype=torch.int64, pin_memory=pin)
+        self._host_int = torch.zeros(2 * width, dtype=torch.int32, pin_memory=pin)
         self._host_table = torch.zeros(paging.slots, paging.pages_per_session, dtype=torch.int32, pin_memory=pin)
         self._host_lengths = torch.zeros(paging.slots, dtype=torch.int32, pin_memory=pin)
         self._host_lengths[0] = 1  # the scratch slot holds position 0 (padding tokens see their own row)
         # numpy views of the staging buffers: a numpy store costs ~0.1 us, a tensor __setitem__ ~5
-        self._np_long, self._np_int = self._host_long.numpy(), self._host_int.numpy()
         self._np_table, self._np_lengths = self._host_table.numpy(), self._host_lengths.numpy()
         self._copied = torch.cuda.Event() if pin else None
         self._graphs: dict[int, _StepGraph] | None = None
@@ -170,8 +186,8 @@ class BatchedRunner:
                 raise StepRefused("CUDA graphs need the artifact loaded for capture: load_artifact(path, single_threaded=True)")
             self._graphs = {}
         self._widths = graph_widths(manifest.max_write)
-        #: per width: the device and host views of the token-major buffers that one step copies
-        self._staging: dict[int, tuple[torch.Tensor, ...]] = {}
+        #: per width: the device and host ``[2, width]`` views of the token buffers (:meth:`_views`)
+        self._staging: dict[int, _Staging] = {}
         self._steps = self._failed = self._refused = self._captures = self._replays = self._padded = 0
         self._exclusive = Exclusive("runner")
 
@@ -399,7 +415,8 @@ class BatchedRunner:
         self._padded += width - used
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copies have left the staging buffers
-        host_long, host_int = self._np_long, self._np_int
+        views = self._views(width)
+        host_long, host_int = views.np_long, views.np_int
         host_long[0, :used] = ids
         host_long[1, :used] = positions
         host_int[0, :used] = slots
@@ -407,26 +424,41 @@ class BatchedRunner:
         host_long[:, used:width] = 0  # padding: the scratch slot's position 0, its row 0
         host_int[:, used:width] = 0
         blocking = self._copied is None
-        views = self._staging.get(width)
-        if views is None:  # a tensor slice costs microseconds: once per width
-            views = self._staging[width] = (self._long[:, :width], self._host_long[:, :width],
-                                            self._int[:, :width], self._host_int[:, :width])
-        views[0].copy_(views[1], non_blocking=not blocking)
-        views[2].copy_(views[3], non_blocking=not blocking)
-        for session in dirty:
-            self._table[session.slot].copy_(self._host_table[session.slot], non_blocking=not blocking)
-            session.table_rows = len(session.pages)
+        views.dev_long.copy_(views.host_long, non_blocking=not blocking)
+        views.dev_int.copy_(views.host_int, non_blocking=not blocking)
+        if dirty:  # the table rows from the first dirty slot to the last: one copy
+            lo = min(s.slot for s in dirty)
+            hi = max(s.slot for s in dirty) + 1
+            self._table[lo:hi].copy_(self._host_table[lo:hi], non_blocking=not blocking)
+            for session in dirty:
+                session.table_rows = len(session.pages)
         self._lengths.copy_(self._host_lengths, non_blocking=not blocking)
         if self._copied is not None:
             self._copied.record()
+
+    def _views(self, width: int) -> "_Staging":
+        """The ``[2, row]`` views (``row`` = ``width`` rounded up to 4) of the token buffers that a
+        step of ``width`` tokens fills and copies whole, made once per width (a tensor view costs
+        microseconds); the program reads their first ``width`` columns."""
+        views = self._staging.get(width)
+        if views is None:
+            row = _aligned(width)  # each view's second row 16-byte aligned, as compiled kernels assume
+            n = 2 * row
+            host_long, host_int = self._host_long[:n].view(2, row), self._host_int[:n].view(2, row)
+            views = self._staging[width] = _Staging(
+                self._long[:n].view(2, row), host_long, host_long.numpy(),
+                self._int[:n].view(2, row), host_int, host_int.numpy(),
+            )
+        return views
 
     def _inputs(self, width: int) -> list[torch.Tensor]:
         model = [torch.empty(0)] * 2
         # [1, width] in the one layout of its shape (stride width, not the buffer's row length, on
         # the size-1 dim: the compiled wrappers' own input checks compare every stride)
-        model[self._tokens_index] = self._long[0, :width].view(1, width)
-        model[self._positions_index] = self._long[1, :width]  # type: ignore[index]
-        batch = {"token_slots": self._int[0, :width], "token_rows": self._int[1, :width],
+        views = self._views(width)
+        model[self._tokens_index] = views.dev_long[0, :width].view(1, width)
+        model[self._positions_index] = views.dev_long[1, :width]  # type: ignore[index]
+        batch = {"token_slots": views.dev_int[0, :width], "token_rows": views.dev_int[1, :width],
                  "page_table": self._table, "session_lengths": self._lengths}
         return [*model, *self.storage, *(batch[name] for name in BATCH_INPUTS)]
 
