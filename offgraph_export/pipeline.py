@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -123,7 +124,33 @@ def export_model(
     try:
         return torch.export.export(model, tuple(example_inputs), dynamic_shapes=shapes, strict=False)
     except Exception as exc:  # export raises many types; keep the cause chained
+        data_dependent = _data_dependent_branch(exc)
+        if data_dependent:
+            raise ExportError(f"torch.export of {type(model).__name__} failed: {data_dependent}") from exc
         raise ExportError(f"torch.export of {type(model).__name__} failed: {exc}") from exc
+
+
+_RAISING_CALL = re.compile(r'The following call raised this error:\s*File "([^"]+)", line (\d+), in \S+\s*\n\s*(.+)')
+
+
+def _data_dependent_branch(exc: BaseException) -> str | None:
+    """One line for a model whose Python code branches or loops on a tensor's values (a
+    mixture-of-experts layer that loops over the experts its tokens chose, DBRX's): export traces
+    one graph for every input, so it cannot record that; None for any other failure."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    text = str(exc)
+    if not isinstance(exc, GuardOnDataDependentSymNode) and "Could not guard on data-dependent expression" not in text:
+        return None
+    expression = text.split("Could not guard on data-dependent expression", 1)[-1].split("(unhinted", 1)[0].strip()
+    where = _RAISING_CALL.search(text)
+    place = (f" at {Path(where.group(1)).name}:{where.group(2)} (`{where.group(3).strip()}`)" if where else "")
+    return (
+        f"the model's code{place} branches on the values of a tensor ({expression or 'a data-dependent size'}), "
+        "as a mixture-of-experts layer that loops over the experts its tokens chose does; one exported graph "
+        "serves every input, so such code cannot be exported (not supported: a model whose experts run "
+        "as one batched computation, as Mixtral's and Qwen-MoE's do, exports)"
+    )
 
 
 def run_passes(

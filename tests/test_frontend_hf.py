@@ -223,6 +223,27 @@ def test_other_features_are_refused(tmp_path, make, message):
         load_bundle(_save(tmp_path, make()))
 
 
+def test_experts_looping_over_the_chosen_experts_are_refused_at_export_naming_the_code(tmp_path):
+    """DBRX's experts loop over the experts its tokens hit (``nonzero``): torch.export cannot record
+    that in one graph. The refusal is one line naming the model's line, before anything compiles."""
+    from offgraph_export.pipeline import export_and_lower
+
+    config = transformers.DbrxConfig(
+        d_model=64, n_heads=4, n_layers=2, max_seq_len=256, vocab_size=256,
+        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        ffn_config={"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2},
+    )
+    ref = _save(tmp_path, config)
+    bundle = load_bundle(ref, max_capacity=64, initial_capacity=16, max_write=16)
+    with pytest.raises(ExportError) as info:
+        export_and_lower(bundle, tmp_path / "dbrx.pt2", model=ref)
+    message = str(info.value)
+    assert "\n" not in message
+    assert "modeling_dbrx.py:" in message and "branches on the values of a tensor" in message
+    assert "cannot be exported" in message
+    assert not (tmp_path / "dbrx.pt2").exists()
+
+
 def test_length_dependent_rope_is_refused(tmp_path):
     config = transformers.LlamaConfig(**COMMON, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
     with pytest.raises(ExportError, match="length-dependent RoPE"):
