@@ -5,7 +5,9 @@ a call."""
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
+import torch
 import torch._inductor.config as _inductor_config
 from torch.export import Dim, ExportedProgram
 
@@ -71,20 +73,13 @@ def decompose(ep: ExportedProgram) -> ExportedProgram:
 
 
 
-
 def aoti_shim_lacks(device: str, op_names: "list[str]") -> list[str]:
     """Which of the aten ops ``op_names`` (``_grouped_mm``) AOTInductor's C shim for ``device``
     does not declare, so that a package calling them fails to compile (torch 2.11's CUDA shim
     lacks ``_grouped_mm``, which transformers' mixture-of-experts layers call; 2.13's has it).
     Read from the shim header torch ships; none where the header is absent (nothing known)."""
-    import os
-
-    import torch
-
-    header = os.path.join(os.path.dirname(torch.__file__), "include", "torch", "csrc", "inductor",
-                          "aoti_torch", "generated", f"c_shim_{device}.h")
-    if not os.path.isfile(header):
+    header = Path(torch.__file__).parent / "include/torch/csrc/inductor/aoti_torch/generated" / f"c_shim_{device}.h"
+    if not header.is_file():
         return []
-    with open(header, encoding="utf-8", errors="replace") as f:
-        text = f.read()
+    text = header.read_text(encoding="utf-8", errors="replace")
     return [name for name in op_names if f"aoti_torch_{device}_{name}(" not in text]

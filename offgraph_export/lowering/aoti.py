@@ -110,9 +110,9 @@ def _refuse_unshimmed_ops(programs: Mapping[str, ExportedProgram], device: str) 
     """Refuse, before minutes of compiling, a program calling an op this torch's AOTInductor cannot
     emit for ``device`` (the C++ wrapper would not compile: ``aoti_torch_cuda__grouped_mm`` was not
     declared)."""
-    called = {str(n.target).split(".")[1] for ep in programs.values() for n in ep.graph.nodes
-              if n.op == "call_function" and str(n.target).startswith("aten.")
-              and str(n.target).split(".")[1] in _SHIM_CHECKED}
+    called = {n.target._opname for ep in programs.values() for n in ep.graph.nodes  # type: ignore[union-attr]
+              if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+              and n.target.namespace == "aten" and n.target._opname in _SHIM_CHECKED}
     lacking = aoti_shim_lacks(device, sorted(called))
     if lacking:
         raise ExportError(

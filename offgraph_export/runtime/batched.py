@@ -86,6 +86,8 @@ class _Staging:
     dev_int: torch.Tensor  # slots, rows
     host_int: torch.Tensor
     np_int: object
+    #: the program's inputs for this width (views of the fixed buffers, the storage): made once
+    inputs: list[torch.Tensor] = field(default_factory=list)
 
 
 class _StepGraph:
@@ -452,15 +454,18 @@ class BatchedRunner:
         return views
 
     def _inputs(self, width: int) -> list[torch.Tensor]:
-        model = [torch.empty(0)] * 2
-        # [1, width] in the one layout of its shape (stride width, not the buffer's row length, on
-        # the size-1 dim: the compiled wrappers' own input checks compare every stride)
+        """The program's inputs for a step of ``width`` tokens: fixed views, made once per width."""
         views = self._views(width)
-        model[self._tokens_index] = views.dev_long[0, :width].view(1, width)
-        model[self._positions_index] = views.dev_long[1, :width]  # type: ignore[index]
-        batch = {"token_slots": views.dev_int[0, :width], "token_rows": views.dev_int[1, :width],
-                 "page_table": self._table, "session_lengths": self._lengths}
-        return [*model, *self.storage, *(batch[name] for name in BATCH_INPUTS)]
+        if not views.inputs:
+            model = [torch.empty(0)] * 2
+            # [1, width] in the one layout of its shape (stride width, not the buffer's row length,
+            # on the size-1 dim: the compiled wrappers' own input checks compare every stride)
+            model[self._tokens_index] = views.dev_long[0, :width].view(1, width)
+            model[self._positions_index] = views.dev_long[1, :width]  # type: ignore[index]
+            batch = {"token_slots": views.dev_int[0, :width], "token_rows": views.dev_int[1, :width],
+                     "page_table": self._table, "session_lengths": self._lengths}
+            views.inputs = [*model, *self.storage, *(batch[name] for name in BATCH_INPUTS)]
+        return views.inputs
 
     def _launch(self, width: int) -> list[torch.Tensor]:
         if self._graphs is None:
