@@ -683,7 +683,9 @@ def measure(args) -> None:
     with torch.no_grad():
         bench.setup_floor()
         contenders = []
-        for cls in (BatchedContender, SingleContender):
+        # single first: its load then tells whether the batched package's 46.6 s in load_pt2
+        # (2026-12-03, loaded first) belonged to the paged program or to a process's first load
+        for cls in (SingleContender, BatchedContender):
             if cls.name in args.skip:
                 bench.skip(cls.name, "--skip")
                 continue

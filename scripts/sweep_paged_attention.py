@@ -12,6 +12,11 @@ single-session one-token step (``triton_update_and_attend``) over flat storage o
 capacity.
 
     python scripts/sweep_paged_attention.py --out sweep.json [--batches 1 4 16 64] [--history 1024 8192]
+        [--page-sizes 16 64] [--default-only]
+
+``--page-sizes``: the pools' page rows (each case at each; 16, the benchmark's, by default): pages of
+at least the key block (64) take the one-table-entry-per-block path. ``--default-only``: time the
+default settings only (a quick comparison of page sizes).
 
 Prints and writes, per case, the default settings' time and the best few, in us per layer-call and
 TB/s of K/V read.
@@ -36,7 +41,7 @@ from offgraph_export.kernels import paged_attend  # noqa: E402
 from offgraph_export.kernels.triton_attend import triton_update_and_attend  # noqa: E402
 
 LAYERS = 16
-HQ, HKV, D, PAGE = 32, 8, 64, 16
+HQ, HKV, D = 32, 8, 64
 DT = torch.bfloat16
 
 
@@ -47,7 +52,8 @@ def log(*a) -> None:
 class Layers:
     """16 layers' pools and one step's inputs for ``batch`` sessions at ``history``."""
 
-    def __init__(self, batch: int, history: int, capacity: int, gen: torch.Generator) -> None:
+    def __init__(self, batch: int, history: int, capacity: int, gen: torch.Generator, page: int) -> None:
+        PAGE = page
         pages_per_session = -(-capacity // PAGE)
         pool = batch * pages_per_session + 1  # page 0: the scratch page
         self.k = [torch.randn(pool, PAGE, HKV, D, dtype=DT, device="cuda") for _ in range(LAYERS)]
@@ -96,6 +102,8 @@ def main() -> None:
     p.add_argument("--capacity", type=int, help="rows per session (default: history + 300, rounded up to 64)")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--budget-s", type=float, default=240.0, help="stop sweeping past this many seconds")
+    p.add_argument("--page-sizes", type=int, nargs="+", default=[16], help="page rows of the pools (each case at each)")
+    p.add_argument("--default-only", action="store_true", help="time the default settings only")
     args = p.parse_args()
     t_start = time.time()
     gen = torch.Generator().manual_seed(0)
@@ -105,14 +113,16 @@ def main() -> None:
                             max_block_n=bn, min_split_keys=mk)
         for ps, w, st, bn, mk in itertools.product((4, 8, 16), (2, 4), (2, 3, 4), (32, 64), (64, 128, 256))
     ]
+    if args.default_only:
+        grid = []
     results = []
     out = Path(args.out)
     for history in args.history:
         capacity = args.capacity or -(-(history + 300) // 64) * 64
         single_us = single_session(history, capacity)
         log(f"single-session step at {history}: {single_us:.1f} us per layer")
-        for batch in args.batches:
-            layers = Layers(batch, history, capacity, gen)
+        for batch, page in itertools.product(args.batches, args.page_sizes):
+            layers = Layers(batch, history, capacity, gen, page)
             base_us = time_ms(layers.step(default), args.iters) * 1e3 / LAYERS
             rows = []
             for settings in grid:
@@ -121,12 +131,12 @@ def main() -> None:
                 us = time_ms(layers.step(settings), args.iters) * 1e3 / LAYERS
                 rows.append({"us": us, "TBps": layers.bytes / us / 1e6, **dataclasses.asdict(settings)})
             rows.sort(key=lambda r: r["us"])
-            case = {"batch": batch, "history": history, "capacity": capacity, "default_us": base_us,
+            case = {"batch": batch, "history": history, "capacity": capacity, "page_size": page, "default_us": base_us,
                     "default_TBps": layers.bytes / base_us / 1e6, "single_session_us": single_us if batch == 1 else None,
                     "best": rows[:8], "tried": len(rows), "all": rows}
             results.append(case)
             best = rows[0] if rows else None
-            log(f"B={batch} h={history}: default {base_us:.1f} us ({case['default_TBps']:.2f} TB/s); "
+            log(f"B={batch} h={history} pages of {page}: default {base_us:.1f} us ({case['default_TBps']:.2f} TB/s); "
                 f"best {best and round(best['us'], 1)} us {best and {k: best[k] for k in ('programs_per_sm', 'num_warps', 'num_stages', 'max_block_n', 'min_split_keys')}}")
             out.write_text(json.dumps(results, indent=1))
             del layers

@@ -183,6 +183,8 @@ def run_case(case: Case, device: str) -> None:
         )
         where = f"{case.id} step {n} (T={q.shape[2]})"
         assert out.shape == ref.shape and out.dtype == out_dtype, where
+        # token-major (attend_common.attention_output): the model's transpose before o_proj is a view
+        assert out.transpose(1, 2).is_contiguous(), f"{where}: output strides {out.stride()}"
         assert torch.isfinite(out.float()).all(), f"{where}: non-finite output (NaN leaked?)"
         torch.testing.assert_close(out.float(), ref.float(), msg=lambda m: f"{where}: {m}", **tol)
         torch.testing.assert_close(k_tri, k_ref, atol=0, rtol=0, equal_nan=True, msg=lambda m: f"{where} K: {m}")

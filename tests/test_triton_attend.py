@@ -131,6 +131,8 @@ def run_session(case: Case, device: str) -> None:
         )
         where = f"{case.id} step {step} (positions {start}..{start + t - 1})"
         assert out.shape == ref.shape and out.dtype == out_dtype, where
+        # token-major (attend_common.attention_output): the model's transpose before o_proj is a view
+        assert out.transpose(1, 2).is_contiguous(), f"{where}: output strides {out.stride()}"
         assert torch.isfinite(out.float()).all(), f"{where}: non-finite output (NaN leaked?)"
         torch.testing.assert_close(out.float(), ref.float(), msg=lambda m: f"{where}: {m}", **tol)
         torch.testing.assert_close(k_tri, k_ref, equal_nan=True, **store_tol)

@@ -31,7 +31,7 @@ import torch
 
 from offgraph_export.kernels.triton_base import INTERPRETED, pow2_at_least, tl, triton
 
-__all__ = ["AttendLaunch", "partial_buffers", "rope_rows", "split_count"]
+__all__ = ["AttendLaunch", "attention_output", "partial_buffers", "rope_rows", "split_count"]
 
 _LOG2E = math.log2(math.e)
 
@@ -404,3 +404,13 @@ def partial_buffers(
     part_m = torch.empty((heads, splits, rows), dtype=torch.float32, device=device)
     part_l = torch.empty((heads, splits, rows), dtype=torch.float32, device=device)
     return part_acc, part_m, part_l
+
+
+def attention_output(b, hq, t, v_dim, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The step's output ``[B, Hq, T, Dv]``, laid out token-major (a ``[B, T, Hq, Dv]`` buffer
+    seen through ``transpose(1, 2)``): the kernels write it through its strides, and the model's
+    ``transpose(1, 2).reshape(B, T, Hq * Dv)`` before its output projection is then a view, so
+    Inductor drops the copy it otherwise makes of every multi-token step's output (its
+    ``remove_noop_ops`` removes a ``clone`` whose input already has the clone's layout). For
+    ``T == 1`` both layouts are the same."""
+    return torch.empty((b, t, hq, v_dim), dtype=dtype, device=device).transpose(1, 2)

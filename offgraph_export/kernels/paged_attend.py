@@ -98,6 +98,7 @@ from offgraph_export.kernels.attend_common import (
     _normalized,
     _rotate_half,
     _split_keys,
+    attention_output,
     rope_rows,
 )
 from offgraph_export.kernels.portable import dense_copy
@@ -555,7 +556,7 @@ def paged_step(
     rope = rotary is not None
     cos, sin = rotary if rotary is not None else (pos, pos)  # unread without ROPE
     block_m = pow2_at_least(group)
-    out = torch.empty((1, hq, t, launch.v_dim), dtype=out_dtype, device=q.device)
+    out = attention_output(1, hq, t, launch.v_dim, out_dtype, q.device)
     if _statically_zero(t):
         return out
     wrap_triton = torch.library.wrap_triton

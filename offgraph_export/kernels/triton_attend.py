@@ -42,7 +42,7 @@ from typing import Optional
 import torch
 
 from offgraph_export.errors import ExportError
-from offgraph_export.kernels.attend_common import AttendLaunch, rope_rows
+from offgraph_export.kernels.attend_common import AttendLaunch, attention_output, rope_rows
 from offgraph_export.kernels.attend_decode import decode_step
 from offgraph_export.kernels.attend_prefill import prefill_step
 from offgraph_export.kernels.portable import dense_copy
@@ -100,7 +100,7 @@ def _lowered_step(
         torch._check(sinks.stride(0) == 1, lambda: "sinks must have unit stride")
     launch = AttendLaunch.for_step(q, k, v, k_store, v_store, window, scale, softcap, sinks is not None)
     d = launch.head_dim
-    out = torch.empty((b, hq, t, launch.v_dim), dtype=out_dtype, device=q.device)
+    out = attention_output(b, hq, t, launch.v_dim, out_dtype, q.device)
     rope = rope_rows(rope_cos, rope_sin, q, k, d, one_token)
     if one_token:
         # A concrete one-token step (the decode method, or an eager call): its own kernels.
