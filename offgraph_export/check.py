@@ -374,7 +374,12 @@ def _conclude(report: CheckReport, session: Session) -> None:
     if metrics.graph_captures or metrics.graph_replays:
         report.notes.append(f"CUDA graphs: {metrics.graph_captures} captures, {metrics.graph_replays} replays")
     general_one = sum(s.width == 1 and s.method == STEP_METHOD for s in report.steps)
-    if general_one and str(session.artifact.path).endswith(".pt2"):
+    if general_one and getattr(session.artifact, "pads_one_token", False):
+        report.notes.append(
+            f"{general_one} one-token steps ran the general program at width 2, the token repeated "
+            "(it is compiled for 2 or more tokens)"
+        )
+    elif general_one and str(session.artifact.path).endswith(".pt2"):
         report.notes.append(
             f"{general_one} one-token steps ran the general program, compiled for 2 or more tokens (AOTInductor "
             "compiles a dynamic width from 2 up): checked here against the eager model; export with "

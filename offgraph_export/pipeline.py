@@ -32,7 +32,7 @@ from offgraph_export.passes.decode_gemv import decode_gemv as decode_gemv_pass
 from offgraph_export.passes.decode_rope import decode_rope as decode_rope_pass
 from offgraph_export.passes.functionalize import functionalize
 from offgraph_export.passes.fuse_projections import fuse_projections
-from offgraph_export.passes.graph_utils import describe_inputs, user_input_nodes
+from offgraph_export.passes.graph_utils import describe_inputs, output_width_dims, user_input_nodes
 from offgraph_export.passes.record_positions import record_positions
 from offgraph_export.passes.record_step_width import record_step_width
 from offgraph_export.passes.result import PassResult
@@ -108,6 +108,7 @@ class StrippedProgram:
             positions_input=self.positions_input,
             options={**self.options, **(options or {})},
             decode_method=self.decode is not None,
+            output_width_dims=output_width_dims(self.stripped, width_symbol),
             **model_info,
         )
 

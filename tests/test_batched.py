@@ -259,6 +259,27 @@ def test_padded_steps_give_each_session_its_own_outputs(loaded_batched, example_
     assert runner.metrics().padded_tokens == 9 and runner.length(a) == 5 and runner.length(b) == 4
 
 
+def test_a_one_token_step_goes_in_at_the_width_the_program_was_compiled_from(loaded_batched, example_bundle):
+    """Without a decode method the general program (compiled for 2 or more tokens, design section
+    4.3) takes a step of one token beside one scratch token: one padding token per such step,
+    and the session's outputs are still its eager oracle's."""
+    from offgraph_export.runtime.batched import BatchedRunner
+    from offgraph_export.specs.artifact import STEP_METHOD
+
+    assert loaded_batched.method_for(1) == STEP_METHOD and loaded_batched.general_min_width == 2
+    runner = BatchedRunner(loaded_batched)
+    a = runner.open()
+    oracle = _oracle(example_bundle, loaded_batched.specs.manifest)
+    fed = 0
+    for toks in ([5, 6, 7], [8], [9], [10, 11], [12]):
+        out = runner.step({a: toks})
+        want = oracle.step(example_bundle.make_inputs(torch.tensor([toks]), fed))[0]
+        assert out[a][0].shape == want.shape
+        torch.testing.assert_close(out[a][0], want, atol=1e-4, rtol=1e-4)
+        fed += len(toks)
+    assert runner.metrics().padded_tokens == 3 and runner.length(a) == 8
+
+
 def test_a_failed_step_commits_nothing_for_anyone(tmp_path):
     """A real failure inside the compiled program (``tiny_models.GuardedTokens``): every session's
     length, pages and storage bytes are as before the step, and the next step proceeds."""

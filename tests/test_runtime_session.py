@@ -454,3 +454,89 @@ def test_replay_graph_needs_a_captured_graph(loaded_example):
     session = loaded_example.new_session()
     with pytest.raises(StepRefused, match="no captured decode graph"):
         session.replay_graph()
+
+
+# -- one-token steps run a program compiled for them ---------------------------------------------
+
+
+def test_a_one_token_step_runs_the_general_program_at_width_two(loaded_example, example_bundle, monkeypatch):
+    """Without a decode method (the cpu default) the general program, which AOTInductor compiled
+    for 2 or more tokens, takes a one-token step at width 2 with its token repeated (design
+    section 4.3): the compiled call sees two tokens and two equal positions, the session gets the
+    first token's outputs, which are the eager model's, and storage holds the rows the eager
+    caches hold (the repeated token writes its own row, with the same values)."""
+    from offgraph_export.specs.artifact import STEP_METHOD
+
+    assert loaded_example.pads_one_token and loaded_example.general_min_width == 2
+    compiled = loaded_example._runs[STEP_METHOD]
+    calls: list[list[torch.Tensor]] = []
+
+    def spy(inputs):
+        calls.append([x.clone() for x in inputs[: len(loaded_example.specs.inputs)]])
+        return compiled(inputs)
+
+    monkeypatch.setitem(loaded_example._runs, STEP_METHOD, spy)
+    session = loaded_example.new_session()
+    oracle = Oracle(example_bundle, loaded_example.specs.manifest)
+    tokens = tokens_for(11, 60)  # past the ring's 47 rows: the repeated rows wrap too
+    for start, chunk in chunks(tokens, [9] + [1] * 51):
+        (got,) = session.step(*example_bundle.make_inputs(chunk, start))
+        want = oracle.step(chunk)
+        assert got.shape == want.shape == (1, chunk.shape[1], 256)
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL, msg=lambda m: f"step at {start}: {m}")
+    width = loaded_example.specs.step_width
+    positions = loaded_example.specs.positions_input
+    assert [c[width.input_index].shape[width.dim] for c in calls] == [9] + [2] * 51
+    assert calls[-1][width.input_index][0].tolist() == [tokens[0, -1].item()] * 2
+    assert calls[-1][positions].reshape(-1).tolist() == [59, 59]
+    assert session.committed_length == 60 and session.metrics().steps == 52
+    # the rows the one-token steps wrote, in every layer, against the oracle's own caches
+    from offgraph_export.specs.manifest import storage_row
+
+    stored = session.storage.bound()
+    recent = list(range(50, 60))
+    for i, layer in enumerate(loaded_example.specs.manifest.layers):
+        k, v = stored[2 * i], stored[2 * i + 1]
+        rows = [storage_row(p, k.shape[2]) for p in recent]
+        want_k, want_v = oracle.ref.layers[layer.layer_id].rows_at(recent)
+        torch.testing.assert_close(k[:, :, rows], want_k, atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(v[:, :, rows], want_v, atol=ATOL, rtol=RTOL)
+
+
+def test_without_per_token_outputs_a_one_token_step_is_not_padded(loaded_example, example_bundle):
+    """Specs that do not record per-token outputs (an earlier export, or a model with an output
+    that is not per token) leave the one-token step at width 1, as before, and check says so."""
+    from offgraph_export.check import check_artifact
+
+    specs = loaded_example.specs.model_copy(update={"output_width_dims": None})
+    plain = Artifact(loaded_example.path, specs, loaded_example.methods)
+    assert not plain.pads_one_token
+    report = check_artifact(plain, example_bundle, decode_steps=4)
+    assert report.passed, report.render()
+    assert any("compiled for 2 or more tokens (AOTInductor" in n for n in report.notes), report.notes
+
+
+def test_output_width_dims_names_the_per_token_dim_or_none():
+    """Recorded at export from the program's output shapes: the one dim of each output whose size
+    is the step width, or None where an output is not per token (a sum over the tokens, a size
+    of its own), which rules the repetition out."""
+    from offgraph_export.passes.graph_utils import output_width_dims, user_input_nodes
+
+    class Outputs(torch.nn.Module):
+        def __init__(self, kind: str) -> None:
+            super().__init__()
+            self.kind = kind
+
+        def forward(self, x):
+            if self.kind == "per_token":
+                return x * 2, x.transpose(0, 1)
+            if self.kind == "summed":
+                return x * 2, x.sum(dim=1)
+            return x * 2, torch.cat([x, x], dim=1)  # a size of its own: 2T
+
+    t = torch.export.Dim("t", min=1, max=16)
+    want = {"per_token": [1, 0], "summed": None, "doubled": None}
+    for kind, expected in want.items():
+        ep = torch.export.export(Outputs(kind), (torch.randn(1, 4, 3),), dynamic_shapes=({1: t},))
+        symbol = str(user_input_nodes(ep)[0].meta["val"].shape[1])
+        assert output_width_dims(ep, symbol) == expected, kind

@@ -34,6 +34,7 @@ __all__ = [
     "symbol_range",
     "input_dynamic_shapes",
     "describe_inputs",
+    "output_width_dims",
 ]
 
 
@@ -41,6 +42,35 @@ def user_input_nodes(ep: ExportedProgram) -> list[torch.fx.Node]:
     """Placeholders of the user inputs, in the order the runtime passes them."""
     by_name = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
     return [by_name[name] for name in ep.graph_signature.user_inputs]
+
+
+def user_output_values(ep: ExportedProgram) -> list[object]:
+    """The (fake) values of the user outputs, in the order the compiled program returns them."""
+    from torch.export.graph_signature import OutputKind
+
+    (returned,) = [n for n in ep.graph.nodes if n.op == "output"]
+    values = returned.args[0]
+    return [
+        node.meta.get("val") if isinstance(node, torch.fx.Node) else node
+        for node, spec in zip(values, ep.graph_signature.output_specs)
+        if spec.kind == OutputKind.USER_OUTPUT
+    ]
+
+
+def output_width_dims(ep: ExportedProgram, width_symbol: str) -> Optional[list[int]]:
+    """For each user output, the one dim whose size is the step width ``width_symbol``: the
+    outputs are then per token along it. None where some output is not (no such dim, two of them,
+    another dynamic size, or not a tensor), which rules out padding a step with repeated tokens."""
+    dims: list[int] = []
+    for value in user_output_values(ep):
+        if not isinstance(value, torch.Tensor):
+            return None
+        hits = [d for d, size in enumerate(value.shape) if str(size_expr(size)) == width_symbol]
+        others = [size for size in value.shape if isinstance(size, torch.SymInt) and str(size_expr(size)) != width_symbol]
+        if len(hits) != 1 or others:
+            return None
+        dims.append(hits[0])
+    return dims
 
 
 def size_expr(size: object) -> object:

@@ -158,13 +158,67 @@ class Artifact:
         """The method that runs a step of ``width`` tokens (None: the general step)."""
         return DECODE_METHOD if width == 1 and DECODE_METHOD in self._runs else STEP_METHOD
 
+    @property
+    def general_min_width(self) -> int:
+        """The fewest tokens the general program was compiled for: 2 where its width is dynamic
+        (AOTInductor compiles a dynamic dim from 2 up, design section 4.3), else 1."""
+        spec = self.specs.step_width
+        size = self.specs.inputs[spec.input_index].shape[spec.dim]
+        return 2 if isinstance(size, str) and self.specs.symbols[size].max >= 2 else 1
+
+    @property
+    def pads_one_token(self) -> bool:
+        """Whether a one-token step runs the general program at width 2, its token repeated
+        (design section 4.3): the package has no decode method, the general program starts at 2,
+        the runtime owns the positions and every output is per token (``output_width_dims``).
+        A batched artifact's runner pads with its scratch token instead."""
+        specs = self.specs
+        return (
+            DECODE_METHOD not in self._runs
+            and self.general_min_width == 2
+            and specs.output_width_dims is not None
+            and specs.positions_input is not None
+            and specs.manifest.paging is None
+        )
+
     def run(self, flat_inputs: Sequence[torch.Tensor], width: int | None = None) -> list[torch.Tensor]:
         """Call the compiled program for a step of ``width`` tokens (:meth:`method_for`) on
-        model inputs followed by storage, as a flat list."""
+        model inputs followed by storage, as a flat list. A one-token step the general program
+        runs goes in at width 2 where :attr:`pads_one_token` (:meth:`_repeated`)."""
         method = self.method_for(width)
+        inputs = list(flat_inputs)
+        padded = width == 1 and method == STEP_METHOD and self.pads_one_token
+        if padded:
+            inputs = self._repeated(inputs)
         if method not in self._checks_on:
-            return self._first_run(method, list(flat_inputs))
-        return self._runs[method](list(flat_inputs))
+            outputs = self._first_run(method, inputs)
+        else:
+            outputs = self._runs[method](inputs)
+        return self._first_tokens(outputs) if padded else outputs
+
+    def _repeated(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A one-token step's model inputs with the token repeated along every dim of the step's
+        width: two tokens at the same position, whose K/V rows are the same row with the same
+        values (every op but the cache op is per token, and both see the same rows), so the first
+        token's outputs are the one-token step's and storage holds what that step writes."""
+        spec = self.specs.step_width
+        symbol = self.specs.inputs[spec.input_index].shape[spec.dim]
+        out = list(inputs)
+        for i, described in enumerate(self.specs.inputs):
+            for dim, size in enumerate(described.shape):
+                if size == symbol:
+                    out[i] = torch.cat([out[i], out[i]], dim)
+        return out
+
+    def _first_tokens(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        dims = self.specs.output_width_dims or []
+        if len(outputs) != len(dims) or any(o.dim() <= d or o.shape[d] != 2 for o, d in zip(outputs, dims)):
+            got = [tuple(o.shape) for o in outputs]
+            raise ArtifactError(
+                f"{self.path}: the general program returned outputs of shapes {got} for a step of 2 "
+                f"tokens; the specs say each is per token along dims {dims}"
+            )
+        return [o.narrow(d, 0, 1) for o, d in zip(outputs, dims)]
 
     def _first_run(self, method: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """The first call of ``method``, with AOTInductor's own input checks latched on for it.

@@ -33,6 +33,7 @@ from offgraph_export.runtime.admission import positions_suppliable
 from offgraph_export.runtime.program import LoadedProgram
 from offgraph_export.runtime.session import Exclusive
 from offgraph_export.runtime.storage import Allocator, check_disjoint, default_allocator
+from offgraph_export.specs.artifact import STEP_METHOD
 from offgraph_export.specs.manifest import BATCH_INPUTS, paged_row, pages_for
 
 __all__ = ["BatchedRunner", "BatchMetrics", "PoolExhausted", "graph_widths"]
@@ -379,7 +380,9 @@ class BatchedRunner:
 
     def _width(self, total: int) -> int:
         if self._graphs is None:
-            return total
+            # a one-token step the general program runs goes in at the width it was compiled
+            # from (2: design section 4.3), beside a scratch token
+            return total if self.program.method_for(total) != STEP_METHOD else max(total, self.program.general_min_width)
         return next(w for w in self._widths if w >= total)
 
     def _fill(self, feeds: Mapping[int, Sequence[int]], plan: list[tuple[_Session, int, int]], width: int) -> None:

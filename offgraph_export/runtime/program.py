@@ -39,6 +39,12 @@ class LoadedProgram(Protocol):
         """The name of the method that runs a step of ``width`` tokens (None: the general step)."""
         ...
 
+    @property
+    def general_min_width(self) -> int:
+        """The fewest tokens the general method was compiled for (a batched runner pads a
+        narrower step up to it with scratch tokens)."""
+        ...
+
     def run(self, flat_inputs: Sequence[torch.Tensor], width: int | None = None) -> list[torch.Tensor]:
         """Run the step of ``width`` tokens on model inputs followed by storage (a flat list),
         writing the storage in place; returns the model's outputs."""

@@ -91,6 +91,11 @@ class PteArtifact:
         """A ``.pte`` holds one method (``forward``), which serves every width."""
         return STEP_METHOD
 
+    @property
+    def general_min_width(self) -> int:
+        """ExecuTorch runs the method at any width of the range its program records."""
+        return 1
+
     def run(self, flat_inputs: Sequence[torch.Tensor], width: int | None = None) -> list[torch.Tensor]:
         """Run ``forward`` on model inputs followed by storage; write the updated storage back into
         the storage tensors given and return the model's outputs."""

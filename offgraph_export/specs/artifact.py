@@ -121,6 +121,10 @@ class ArtifactSpecs(BaseModel):
     options: Annotated[dict[str, bool | int | str], LimitedItems] = Field(default_factory=dict)
     #: the package also holds :data:`DECODE_METHOD`: the step specialized to one token
     decode_method: bool = False
+    #: per model output of the general method, the dim that is the step's token width, when every
+    #: output is per token along one (design section 4.3: a one-token step then runs the general
+    #: program at width 2, its token repeated); None: not so, or not recorded (an earlier export)
+    output_width_dims: Annotated[list[Annotated[int, Field(ge=0)]], LimitedItems] | None = None
 
     @field_validator("step_width", mode="before")
     @classmethod
