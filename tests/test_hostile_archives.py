@@ -182,6 +182,10 @@ def _positions_dropped(good, tmp):
     return rewrite(good, tmp / "nopos.pt2", specs_edit(lambda s: s.update(positions_input=None)))
 
 
+def _output_dims_moved(good, tmp):  # a one-token step's outputs would be cut along another dim
+    return rewrite(good, tmp / "outdims.pt2", specs_edit(lambda s: s.update(output_width_dims=[2])))
+
+
 def _bound_dropped(good, tmp):
     return rewrite(good, tmp / "nobound.pt2", specs_edit(lambda s: s["inputs"][0].update(index_bound=None)))
 
@@ -298,6 +302,7 @@ HOSTILE = [
     pytest.param(_static_dim_changed, r"disagree with the compiled ('model' )?program's own", id="static-dim-changed"),
     pytest.param(_positions_dropped, r"disagree with the compiled ('model' )?program's own", id="positions-dropped"),
     pytest.param(_bound_dropped, r"disagree with the compiled ('model' )?program's own", id="index-bound-dropped"),
+    pytest.param(_output_dims_moved, r"disagree with the compiled ('model' )?program's own", id="output-dims-moved"),
     pytest.param(_input_dropped, "must follow the 1 model inputs", id="input-dropped"),
     pytest.param(_deeply_nested, "nests deeper than", id="deeply-nested-specs"),
     pytest.param(_huge_specs, "more than the", id="oversized-specs"),

@@ -83,7 +83,9 @@ def test_inspect_table_and_json(example_artifact):
     text = cli("inspect", str(example_artifact)).stdout
     assert "step width    0:1  (input 0 'tokens', dim 1)" in text
     assert "ring" in text and "flat" in text and "k_cache_1" in text
+    assert "methods       model  (one-token steps: the general program at width 2, the token repeated)" in text
     data = json.loads(cli("inspect", str(example_artifact), "--json").stdout)
+    assert data["output_width_dims"] == [1]  # logits [1, T, vocab]
     assert data["step_width"] == "0:1"
     assert [l["policy"] for l in data["manifest"]["layers"]] == ["flat", "ring"]
     assert data["model"].endswith("tiny_llama.py:build")

@@ -273,6 +273,17 @@ def export(model_factory, output, device, max_capacity, initial_capacity, max_wr
         )
 
 
+def _one_token_steps(specs, artifact: str) -> str:
+    """How a ``.pt2`` without a decode method runs a one-token step (design section 4.3)."""
+    if artifact.endswith(".pte") or specs.general_min_width < 2:
+        return ""
+    if specs.manifest.paging is not None:
+        return "  (one-token steps: the general program, beside a scratch token)"
+    if specs.pads_one_token:
+        return "  (one-token steps: the general program at width 2, the token repeated)"
+    return "  (one-token steps: the general program at width 1, below the 2 it was compiled for)"
+
+
 @cli.command()
 @click.argument("artifact", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the specs as JSON.")
@@ -304,7 +315,7 @@ def inspect(artifact, as_json):
             if m.paging is not None else []
         ),
         f"methods       {', '.join(specs.methods)}"
-        + ("  (decode: width 1, static shapes)" if specs.decode_method else ""),
+        + ("  (decode: width 1, static shapes)" if specs.decode_method else _one_token_steps(specs, artifact)),
         f"options       {', '.join(f'{k}={v}' for k, v in specs.options.items()) or '-'}",
         "",
         "inputs",

@@ -141,7 +141,7 @@ class Artifact:
         if metadata[PROGRAM_KEY] != specs.program_description(method):
             raise ArtifactError(
                 f"{path}: the inputs the archive's specs describe (dtypes, dynamic dims, ranges, "
-                f"positions) disagree with the compiled {method!r} program's own"
+                f"positions, per-token outputs) disagree with the compiled {method!r} program's own"
             )
         in_spec, _ = compiled.loader.get_call_spec()  # type: ignore[attr-defined]
         n_inputs = torch.utils._pytree.treespec_loads(in_spec).num_leaves
@@ -160,26 +160,14 @@ class Artifact:
 
     @property
     def general_min_width(self) -> int:
-        """The fewest tokens the general program was compiled for: 2 where its width is dynamic
-        (AOTInductor compiles a dynamic dim from 2 up, design section 4.3), else 1."""
-        spec = self.specs.step_width
-        size = self.specs.inputs[spec.input_index].shape[spec.dim]
-        return 2 if isinstance(size, str) and self.specs.symbols[size].max >= 2 else 1
+        """The fewest tokens the general program was compiled for (``ArtifactSpecs.general_min_width``)."""
+        return self.specs.general_min_width
 
     @property
     def pads_one_token(self) -> bool:
         """Whether a one-token step runs the general program at width 2, its token repeated
-        (design section 4.3): the package has no decode method, the general program starts at 2,
-        the runtime owns the positions and every output is per token (``output_width_dims``).
-        A batched artifact's runner pads with its scratch token instead."""
-        specs = self.specs
-        return (
-            DECODE_METHOD not in self._runs
-            and self.general_min_width == 2
-            and specs.output_width_dims is not None
-            and specs.positions_input is not None
-            and specs.manifest.paging is None
-        )
+        (``ArtifactSpecs.pads_one_token``; the methods loaded are the ones the specs name)."""
+        return DECODE_METHOD not in self._runs and self.specs.pads_one_token
 
     def run(self, flat_inputs: Sequence[torch.Tensor], width: int | None = None) -> list[torch.Tensor]:
         """Call the compiled program for a step of ``width`` tokens (:meth:`method_for`) on

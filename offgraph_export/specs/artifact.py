@@ -214,6 +214,8 @@ class ArtifactSpecs(BaseModel):
         symbols and ranges, the step width and the positions input. In the decode method the
         width symbol is the constant 1."""
         data = self.model_dump(mode="json", include={"inputs", "symbols", "step_width", "positions_input"})
+        if self.output_width_dims is not None and method == STEP_METHOD:  # absent before it was recorded
+            data["output_width_dims"] = list(self.output_width_dims)
         if method == DECODE_METHOD:
             width = self.width_symbol
             for inp in data["inputs"]:
@@ -228,6 +230,28 @@ class ArtifactSpecs(BaseModel):
     def width_symbol(self) -> str:
         spec = self.step_width
         return str(self.inputs[spec.input_index].shape[spec.dim])
+
+    @property
+    def general_min_width(self) -> int:
+        """The fewest tokens the general program was compiled for: 2 where its width is dynamic
+        (AOTInductor compiles a dynamic dim from 2 up, design section 4.3), else 1."""
+        spec = self.step_width
+        size = self.inputs[spec.input_index].shape[spec.dim]
+        return 2 if isinstance(size, str) and self.symbols[size].max >= 2 else 1
+
+    @property
+    def pads_one_token(self) -> bool:
+        """Whether a ``.pt2`` runtime runs a one-token step through the general program at width 2,
+        its token repeated (design section 4.3): no decode method, the general program starts at 2,
+        the runtime owns the positions and every output is per token (``output_width_dims``). A
+        batched artifact's runner pads with its scratch token instead."""
+        return (
+            not self.decode_method
+            and self.general_min_width == 2
+            and self.output_width_dims is not None
+            and self.positions_input is not None
+            and self.manifest.paging is None
+        )
 
 
 def parse_artifact_specs(text: str | bytes, source: str = "artifact") -> ArtifactSpecs:
