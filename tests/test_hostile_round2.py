@@ -565,3 +565,45 @@ def test_a_tensor_file_that_would_inflate_is_refused_before_torch_reads_it(examp
         Artifact.load(path)
     assert "\n" not in str(info.value)
     assert hashlib.sha256(inner.read_bytes()).hexdigest() not in loads
+
+
+# -- the file checked is the file loaded -----------------------------------------------------------
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="pinning by descriptor needs /proc/self/fd (Linux)")
+def test_a_file_renamed_over_the_package_after_its_checks_is_not_what_loads(example_artifact, tmp_path, monkeypatch):
+    """Between the checks and torch's loader (and the weight reader) another file is renamed over
+    the package's path: the loader still reads the file that was checked, through the descriptor
+    opened first (``runtime/artifact.py:_pinned``), and the file now at the path is never opened.
+    The swapped-in file is the package cut in half, which torch's loader (or the weight reader)
+    would fail on, so reading it anywhere would show."""
+    from offgraph_export.runtime import artifact as artifact_module
+
+    path = tmp_path / "tiny.pt2"
+    data = example_artifact.read_bytes()
+    path.write_bytes(data)
+    other = tmp_path / "other.pt2"
+    other.write_bytes(data[: len(data) // 2])
+    checked = artifact_module.check_pt2_layout
+    swaps = []
+
+    def check_then_swap(*args, **kwargs):
+        checked(*args, **kwargs)
+        other.replace(path)  # after the last check, before torch's loader opens anything
+        swaps.append(path)
+
+    monkeypatch.setattr(artifact_module, "check_pt2_layout", check_then_swap)
+    loaded = Artifact.load(path)
+    assert swaps == [path]
+    assert loaded.specs.model.endswith("tiny_llama.py:build") and loaded.path == path
+    assert path.stat().st_size == len(data) // 2  # the path now names the other file
+    with pytest.raises(ArtifactError):
+        Artifact.load(path)
+
+
+def test_load_errors_name_the_path_not_the_descriptor(tmp_path):
+    bad = tmp_path / "broken.pt2"
+    bad.write_bytes(b"PK\x05\x06" + b"\x00" * 18)
+    with pytest.raises(ArtifactError) as info:
+        Artifact.load(bad)
+    assert str(bad) in str(info.value) and "/proc/self/fd" not in str(info.value)

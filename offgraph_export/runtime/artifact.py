@@ -9,16 +9,17 @@ corrupt, inconsistent or path-traversing archives; they cannot make a malicious 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
 
 from offgraph_export.errors import ArtifactError, SpecError
 from offgraph_export.runtime.weights import load_method_weights
-from offgraph_export.specs.archive import check_archive, check_pt2_layout
+from offgraph_export.specs.archive import check_archive, check_pt2_layout, regular_file
 from offgraph_export.specs.artifact import (
     DECODE_METHOD,
     METHOD_KEY,
@@ -82,18 +83,27 @@ class Artifact:
         loader reads the entries that were checked and no others, bounded counts and sizes, every
         checksum) before torch's loader opens it."""
         path = Path(path)
+        with _pinned(path) as pinned:
+            return cls._load(path, pinned, single_threaded)
+
+    @classmethod
+    def _load(cls, path: Path, pinned: str, single_threaded: bool) -> "Artifact":
+        """:meth:`load`, every read through ``pinned`` (the file ``path`` named when it was
+        opened, :func:`_pinned`), every message naming ``path``."""
         clock = _StageClock()
-        specs = read_artifact_specs(path, verify_crc=True)
-        if specs.device == "cuda" and not torch.cuda.is_available():
-            raise ArtifactError(f"{path} was compiled for cuda but no CUDA device is available")
-        check_pt2_layout([i.filename for i in check_archive(path, verify_crc=False)], str(path), specs.methods)
+        with _named(pinned, path):
+            specs = read_artifact_specs(pinned, verify_crc=True)
+            if specs.device == "cuda" and not torch.cuda.is_available():
+                raise ArtifactError(f"{path} was compiled for cuda but no CUDA device is available")
+            check_pt2_layout([i.filename for i in check_archive(pinned, verify_crc=False)], str(path), specs.methods)
         clock.stage("verify")
         try:
             from torch.export.pt2_archive._package import load_pt2
 
-            runners = load_pt2(str(path), run_single_threaded=single_threaded).aoti_runners
+            with open(pinned, "rb") as file:  # a file object: torch's loader wants a buffer or a name ending in .pt2
+                runners = load_pt2(file, run_single_threaded=single_threaded).aoti_runners
         except Exception as exc:  # loader raises RuntimeError/others from C++
-            raise ArtifactError(f"cannot load the compiled program in {path}: {exc}") from exc
+            raise ArtifactError(f"cannot load the compiled program in {path}: {str(exc).replace(pinned, str(path))}") from exc
         clock.stage("loader")
         for method in specs.methods:
             cls._cross_check(path, specs, runners[method], method)
@@ -101,7 +111,8 @@ class Artifact:
         device = _current_device(specs.device)
         # each view sized by the dtype its method was compiled for, before any weight file is read
         descriptions = {method: runners[method].get_metadata()[CONSTANTS_KEY] for method in specs.methods}
-        weights = load_method_weights(path, specs.methods, device, constants=descriptions)
+        with _named(pinned, path):
+            weights = load_method_weights(pinned, specs.methods, device, constants=descriptions)
         clock.stage("weights")
         for method in specs.methods:
             check_constants(weights[method], runners[method].get_metadata()[CONSTANTS_KEY], method, str(path))
@@ -234,6 +245,38 @@ class Artifact:
         from offgraph_export.runtime.session import Session
 
         return Session(self, **kwargs)
+
+
+@contextlib.contextmanager
+def _pinned(path: Path) -> Iterator[str]:
+    """A name that reaches the file ``path`` names now, whatever later happens to ``path``:
+    ``/proc/self/fd/N`` of a descriptor held open for the block (on Linux; elsewhere ``path``
+    itself). The checks, torch's loader and the weight reader all open it, so a file renamed over
+    ``path`` between them is never read: what is loaded is the file that was checked. (Writes
+    into that same file while it loads are not caught: they need write access to the package.)"""
+    regular_file(path)  # a clear error for a missing or special path, before it is opened
+    if not os.path.isdir("/proc/self/fd"):
+        yield str(path)
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise ArtifactError(f"cannot open artifact {str(path)!r}: {exc.strerror}") from exc
+    try:
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _named(pinned: str, path: Path) -> Iterator[None]:
+    """Errors raised in the block name ``path``, not the pinned name it was read through."""
+    try:
+        yield
+    except ArtifactError as exc:
+        if pinned not in str(exc):
+            raise
+        raise type(exc)(str(exc).replace(pinned, str(path))) from exc
 
 
 class _StageClock:
