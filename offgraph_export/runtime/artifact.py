@@ -59,12 +59,18 @@ class Artifact:
         self.path = path
         self.specs = specs
         self.methods = methods
+        #: (input, dim) pairs a one-token step is repeated along where it pads (:meth:`_repeated`)
+        self._width_dims = [
+            (i, dim) for i, described in enumerate(specs.inputs)
+            for dim, size in enumerate(described.shape) if size == specs.width_symbol
+        ]
         #: loaded with AOTInductor's capturable (single-threaded) runner: CUDA graphs may capture it
         self.single_threaded = single_threaded
         self._device = device if device is not None else _current_device(specs.device)
         self.compiled = methods[STEP_METHOD]
         # loader.run: no pytree work per call
         self._runs = {name: m.loader.run for name, m in methods.items()}  # type: ignore[attr-defined]
+        self._pads = DECODE_METHOD not in self._runs and specs.pads_one_token
         self._checks_on: set[str] = set()  # methods whose compiled input checks are latched on
         #: seconds per stage of :meth:`load` (``verify``, ``loader``, ``cross_check``, ``weights``,
         #: ``constants``); empty for an artifact made otherwise
@@ -83,19 +89,18 @@ class Artifact:
         loader reads the entries that were checked and no others, bounded counts and sizes, every
         checksum) before torch's loader opens it."""
         path = Path(path)
-        with _pinned(path) as pinned:
+        with _pinned(path) as pinned, _named(pinned, path):
             return cls._load(path, pinned, single_threaded)
 
     @classmethod
     def _load(cls, path: Path, pinned: str, single_threaded: bool) -> "Artifact":
         """:meth:`load`, every read through ``pinned`` (the file ``path`` named when it was
-        opened, :func:`_pinned`), every message naming ``path``."""
+        opened, :func:`_pinned`; :meth:`load`'s :func:`_named` puts ``path`` in the messages)."""
         clock = _StageClock()
-        with _named(pinned, path):
-            specs = read_artifact_specs(pinned, verify_crc=True)
-            if specs.device == "cuda" and not torch.cuda.is_available():
-                raise ArtifactError(f"{path} was compiled for cuda but no CUDA device is available")
-            check_pt2_layout([i.filename for i in check_archive(pinned, verify_crc=False)], str(path), specs.methods)
+        specs = read_artifact_specs(pinned, verify_crc=True)
+        if specs.device == "cuda" and not torch.cuda.is_available():
+            raise ArtifactError(f"{path} was compiled for cuda but no CUDA device is available")
+        check_pt2_layout([i.filename for i in check_archive(pinned, verify_crc=False)], str(path), specs.methods)
         clock.stage("verify")
         try:
             from torch.export.pt2_archive._package import load_pt2
@@ -103,7 +108,7 @@ class Artifact:
             with open(pinned, "rb") as file:  # a file object: torch's loader wants a buffer or a name ending in .pt2
                 runners = load_pt2(file, run_single_threaded=single_threaded).aoti_runners
         except Exception as exc:  # loader raises RuntimeError/others from C++
-            raise ArtifactError(f"cannot load the compiled program in {path}: {str(exc).replace(pinned, str(path))}") from exc
+            raise ArtifactError(f"cannot load the compiled program in {path}: {exc}") from exc
         clock.stage("loader")
         for method in specs.methods:
             cls._cross_check(path, specs, runners[method], method)
@@ -111,8 +116,7 @@ class Artifact:
         device = _current_device(specs.device)
         # each view sized by the dtype its method was compiled for, before any weight file is read
         descriptions = {method: runners[method].get_metadata()[CONSTANTS_KEY] for method in specs.methods}
-        with _named(pinned, path):
-            weights = load_method_weights(pinned, specs.methods, device, constants=descriptions)
+        weights = load_method_weights(pinned, specs.methods, device, constants=descriptions)
         clock.stage("weights")
         for method in specs.methods:
             check_constants(weights[method], runners[method].get_metadata()[CONSTANTS_KEY], method, str(path))
@@ -178,7 +182,7 @@ class Artifact:
     def pads_one_token(self) -> bool:
         """Whether a one-token step runs the general program at width 2, its token repeated
         (``ArtifactSpecs.pads_one_token``; the methods loaded are the ones the specs name)."""
-        return DECODE_METHOD not in self._runs and self.specs.pads_one_token
+        return self._pads
 
     def run(self, flat_inputs: Sequence[torch.Tensor], width: int | None = None) -> list[torch.Tensor]:
         """Call the compiled program for a step of ``width`` tokens (:meth:`method_for`) on
@@ -186,7 +190,7 @@ class Artifact:
         runs goes in at width 2 where :attr:`pads_one_token` (:meth:`_repeated`)."""
         method = self.method_for(width)
         inputs = list(flat_inputs)
-        padded = width == 1 and method == STEP_METHOD and self.pads_one_token
+        padded = width == 1 and method == STEP_METHOD and self._pads
         if padded:
             inputs = self._repeated(inputs)
         if method not in self._checks_on:
@@ -200,13 +204,9 @@ class Artifact:
         width: two tokens at the same position, whose K/V rows are the same row with the same
         values (every op but the cache op is per token, and both see the same rows), so the first
         token's outputs are the one-token step's and storage holds what that step writes."""
-        spec = self.specs.step_width
-        symbol = self.specs.inputs[spec.input_index].shape[spec.dim]
         out = list(inputs)
-        for i, described in enumerate(self.specs.inputs):
-            for dim, size in enumerate(described.shape):
-                if size == symbol:
-                    out[i] = torch.cat([out[i], out[i]], dim)
+        for i, dim in self._width_dims:
+            out[i] = torch.cat([out[i], out[i]], dim)
         return out
 
     def _first_tokens(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]:

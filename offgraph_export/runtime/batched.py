@@ -189,6 +189,9 @@ class BatchedRunner:
                 raise StepRefused("CUDA graphs need the artifact loaded for capture: load_artifact(path, single_threaded=True)")
             self._graphs = {}
         self._widths = graph_widths(manifest.max_write)
+        # ordinary launches: a one-token step the general program runs goes in at the width it was
+        # compiled from (2: design section 4.3), beside a scratch token
+        self._min_width = 1 if program.method_for(1) != STEP_METHOD else program.general_min_width
         #: per width: the device and host ``[2, width]`` views of the token buffers (:meth:`_views`)
         self._staging: dict[int, _Staging] = {}
         self._steps = self._failed = self._refused = self._captures = self._replays = self._padded = 0
@@ -380,9 +383,7 @@ class BatchedRunner:
 
     def _width(self, total: int) -> int:
         if self._graphs is None:
-            # a one-token step the general program runs goes in at the width it was compiled
-            # from (2: design section 4.3), beside a scratch token
-            return total if self.program.method_for(total) != STEP_METHOD else max(total, self.program.general_min_width)
+            return max(total, self._min_width)
         return next(w for w in self._widths if w >= total)
 
     def _fill(self, feeds: Mapping[int, Sequence[int]], plan: list[tuple[_Session, int, int]], width: int) -> None:

@@ -235,9 +235,8 @@ class ArtifactSpecs(BaseModel):
     def general_min_width(self) -> int:
         """The fewest tokens the general program was compiled for: 2 where its width is dynamic
         (AOTInductor compiles a dynamic dim from 2 up, design section 4.3), else 1."""
-        spec = self.step_width
-        size = self.inputs[spec.input_index].shape[spec.dim]
-        return 2 if isinstance(size, str) and self.symbols[size].max >= 2 else 1
+        width = self.symbols.get(self.width_symbol)  # None: a static width
+        return 2 if width is not None and width.max >= 2 else 1
 
     @property
     def pads_one_token(self) -> bool:
