@@ -712,6 +712,10 @@ def measure(args) -> None:
                 if batch == breakdown_b:
                     guarded(bench, f"{c.name} breakdown", lambda: bench.results["breakdown"].__setitem__(
                         c.name, {"batch": batch, "history": first, **c.breakdown(idxs)}))
+                elif c.name == "batched" and batch == max(args.batches) and batch > breakdown_b:
+                    # the widest batch too: where its step goes differs from B=16's (attention grows with B)
+                    guarded(bench, f"{c.name} breakdown at B={batch}", lambda: bench.results["breakdown"].__setitem__(
+                        f"{c.name}:B{batch}", {"batch": batch, "history": first, **c.breakdown(idxs)}))
         if "hf-static" in args.skip:
             bench.skip("hf-static", "--skip")
         else:
