@@ -12,11 +12,13 @@ single-session one-token step (``triton_update_and_attend``) over flat storage o
 capacity.
 
     python scripts/sweep_paged_attention.py --out sweep.json [--batches 1 4 16 64] [--history 1024 8192]
-        [--page-sizes 16 64] [--default-only]
+        [--page-sizes 16 64] [--default-only] [--fold]
 
 ``--page-sizes``: the pools' page rows (each case at each; 16, the benchmark's, by default): pages of
 at least the key block (64) take the one-table-entry-per-block path. ``--default-only``: time the
-default settings only (a quick comparison of page sizes).
+default settings only (a quick comparison of page sizes). ``--fold``: also time each case through
+the one-row-per-session path (``paged_step(one_row_per_session=True)``: no write kernel, no q/k/v
+copies, one rotary row per token rotated in the kernel), a decode step's form.
 
 Prints and writes, per case, the default settings' time and the best few, in us per layer-call and
 TB/s of K/V read.
@@ -80,6 +82,19 @@ class Layers:
                                         D**-0.5, DT, settings)
         return run
 
+    def folded(self, settings: paged_attend.PagedLaunch):
+        """The same step through the one-row-per-session path (every token its session's only new
+        row): writes folded into the attention kernel, q/k/v read in place, one rotary row per
+        token rotated in the kernel (the real step's rotary and copy kernels are gone with it)."""
+        cos = torch.rand(1, self.q.shape[2], D, dtype=DT, device="cuda")
+        sin = torch.rand(1, self.q.shape[2], D, dtype=DT, device="cuda")
+
+        def run():
+            for k, v in zip(self.k, self.v):
+                paged_attend.paged_step(self.q, self.kv, self.kv, self.pos, k, v, *self.batch, None,
+                                        D**-0.5, DT, settings, rope_cos=cos, rope_sin=sin, one_row_per_session=True)
+        return run
+
 
 def single_session(history: int, capacity: int) -> float:
     ks = [torch.randn(1, HKV, capacity, D, dtype=DT, device="cuda") for _ in range(LAYERS)]
@@ -104,6 +119,7 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=240.0, help="stop sweeping past this many seconds")
     p.add_argument("--page-sizes", type=int, nargs="+", default=[16], help="page rows of the pools (each case at each)")
     p.add_argument("--default-only", action="store_true", help="time the default settings only")
+    p.add_argument("--fold", action="store_true", help="also time the one-row-per-session path (fold_us) with the default settings")
     args = p.parse_args()
     t_start = time.time()
     gen = torch.Generator().manual_seed(0)
@@ -124,6 +140,10 @@ def main() -> None:
         for batch, page in itertools.product(args.batches, args.page_sizes):
             layers = Layers(batch, history, capacity, gen, page)
             base_us = time_ms(layers.step(default), args.iters) * 1e3 / LAYERS
+            fold_us = time_ms(layers.folded(default), args.iters) * 1e3 / LAYERS if args.fold else None
+            if fold_us is not None:
+                log(f"B={batch} h={history} pages of {page}: one row per session (folded writes, rotary in the kernel) "
+                    f"{fold_us:.1f} us against {base_us:.1f} us ({layers.bytes / fold_us / 1e6:.2f} TB/s)")
             rows = []
             for settings in grid:
                 if time.time() - t_start > args.budget_s:
@@ -132,7 +152,7 @@ def main() -> None:
                 rows.append({"us": us, "TBps": layers.bytes / us / 1e6, **dataclasses.asdict(settings)})
             rows.sort(key=lambda r: r["us"])
             case = {"batch": batch, "history": history, "capacity": capacity, "page_size": page, "default_us": base_us,
-                    "default_TBps": layers.bytes / base_us / 1e6, "single_session_us": single_us if batch == 1 else None,
+                    "default_TBps": layers.bytes / base_us / 1e6, "fold_us": fold_us, "single_session_us": single_us if batch == 1 else None,
                     "best": rows[:8], "tried": len(rows), "all": rows}
             results.append(case)
             best = rows[0] if rows else None

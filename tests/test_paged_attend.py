@@ -341,9 +341,86 @@ def test_paged_rope_rows_are_refused_for_a_multi_token_step():
     batch = Batch(case, "cpu")
     q, k, v, position, inputs = batch.step([2])
     cos, sin = _rope_rows(case.d, torch.Generator().manual_seed(0), "cpu")
-    with pytest.raises(RuntimeError, match="one-token steps only"):
+    with pytest.raises(RuntimeError, match="one-token steps only"):  # the op never promises one row per session
         triton_paged_update_and_attend(q, k, v, position, batch.k_store, batch.v_store, *inputs, None, 0.25,
                                        torch.float32, cos, sin)
+
+
+def run_fold_case(case: Case, device: str, tol: dict, rope: bool) -> None:
+    """Decode steps of several sessions (one token each, then the padding) through the
+    one-row-per-session path of ``paged_step`` (row writes folded into the attention kernel, no
+    write kernel, q/k/v read in place; with ``rope`` unrotated q/k and one rotary row per token)
+    against the portable step given q/k rotated eagerly: outputs within ``tol``, both storages
+    bit for bit (NaN where NaN)."""
+    batch = Batch(case, device)
+    gen = torch.Generator().manual_seed(11)
+    k_ref, v_ref = batch.k_store.clone(), batch.v_store.clone()
+    out_dtype = case.out_dtype or case.store_dtype
+    for n in range(1 + case.decode_after):
+        q, k, v, position, inputs = batch.step([1] * len(case.sessions))
+        t = q.shape[2]
+        cos = sin = None
+        q_ref, k_ref_in = q, k
+        if rope:
+            rows = [_rope_rows(case.d, gen, device) for _ in range(t - case.padding)]
+            rows += [rows[0]] * case.padding if case.padding else []  # padding tokens alike
+            cos = torch.cat([c for c, _ in rows], 1).to(case.store_dtype)  # [1, T, D]
+            sin = torch.cat([s_ for _, s_ in rows], 1).to(case.store_dtype)
+            q_ref = _rotated(q, cos[:, None], sin[:, None]).to(case.store_dtype)
+            k_ref_in = _rotated(k, cos[:, None], sin[:, None]).to(case.store_dtype)
+        got = paged_attend.paged_step(q, k, v, position, batch.k_store, batch.v_store, *inputs, case.window,
+                                      case.d**-0.5, out_dtype, rope_cos=cos, rope_sin=sin, one_row_per_session=True)
+        want = portable_paged_update_and_attend(q_ref, k_ref_in, v, position, k_ref, v_ref, *inputs, case.window,
+                                                case.d**-0.5, out_dtype)
+        where = f"{case.id} step {n} (T={t})"
+        assert torch.isfinite(got.float()).all(), f"{where}: non-finite output (NaN leaked?)"
+        torch.testing.assert_close(got.float(), want.float(), msg=lambda m: f"{where}: {m}", **tol)
+        exact = {} if rope else dict(atol=0, rtol=0)  # eager rotation rounds each product; the kernel once
+        torch.testing.assert_close(batch.k_store, k_ref, equal_nan=True, msg=lambda m: f"{where} K: {m}", **(exact or tol))
+        torch.testing.assert_close(batch.v_store, v_ref, atol=0, rtol=0, equal_nan=True, msg=lambda m: f"{where} V: {m}")
+
+
+FOLD_CASES = [
+    Case("fold_flat_ps4", ((40, 1), (0, 1), (13, 1), (22, 1)), padding=2, decode_after=2),
+    Case("fold_flat_ps16_gathered", ((70, 1), (5, 1), (33, 1)), page_size=16, max_block_n=64, decode_after=1),
+    Case("fold_flat_splits", ((90, 1), (60, 1)), decode_after=1),
+    Case("fold_flat_bf16", ((50, 1), (7, 1), (31, 1)), store_dtype=torch.bfloat16, padding=1),
+    Case("fold_ring_wraps", ((30, 1), (5, 1), (0, 1)), window=6, max_write=8, decode_after=3),
+    Case("fold_ring_bf16_padding", ((50, 1), (12, 1)), window=10, store_dtype=torch.bfloat16, padding=2, decode_after=1),
+]
+
+
+@interpreter_only
+@pytest.mark.parametrize("rope", [False, True], ids=["plain", "rope"])
+@pytest.mark.parametrize("case", FOLD_CASES, ids=[c.id for c in FOLD_CASES])
+def test_interp_one_row_per_session_folds_the_writes(case, rope, monkeypatch):
+    _settings(monkeypatch, case)
+    tol = _tolerance(case.store_dtype) if case.store_dtype != torch.float32 else dict(atol=1e-5, rtol=1e-5)
+    run_fold_case(case, "cpu", tol, rope)
+
+
+@interpreter_only
+def test_interp_one_row_per_session_launches_no_write_kernel(monkeypatch):
+    """The folded path launches the attention kernel (and the combine) only: no write kernel."""
+    case = Case("fold_launches", ((40, 1), (20, 1), (9, 1)))
+    _settings(monkeypatch, case)
+    batch = Batch(case, "cpu")
+    q, k, v, position, inputs = batch.step([1, 1, 1])
+    names = []
+    real = torch.library.wrap_triton
+
+    def spy(kernel):
+        names.append(kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__)
+        return real(kernel)
+
+    monkeypatch.setattr(torch.library, "wrap_triton", spy)
+    paged_attend.paged_step(q, k, v, position, batch.k_store, batch.v_store, *inputs, None, 0.25, torch.float32,
+                            one_row_per_session=True)
+    assert "_paged_write_kernel" not in names and names[0] == "_paged_attend_kernel", names
+    names.clear()
+    paged_attend.paged_step(q, k, v, position, batch.k_store.clone(), batch.v_store.clone(), *inputs, None, 0.25,
+                            torch.float32)
+    assert names[0] == "_paged_write_kernel", names
 
 
 @interpreter_only

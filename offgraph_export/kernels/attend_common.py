@@ -279,20 +279,28 @@ def _rotate_half(x, base, offs, stride, mask, cos, sin, HEAD_DIM: tl.constexpr):
 
 def rope_rows(
     rope_cos: Optional[torch.Tensor], rope_sin: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
-    head_dim: int, one_token: bool,
+    head_dim: int, one_token: bool, per_token: bool = False,
 ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """A one-token step's rotary rows, checked (given together, one token, an even head dim
-    shared by q and k, ``head_dim`` values each, q's dtype) and flattened to ``[head_dim]``; None
-    without them. Both one-token kernels (``attend_decode``, ``paged_attend``) rotate with them."""
+    """A step's rotary rows, checked (given together, an even head dim shared by q and k,
+    ``head_dim`` values a row, q's dtype) and flattened: ``[head_dim]`` for a one-token step,
+    ``[T, head_dim]`` (row ``t`` token ``t``'s) where ``per_token`` (a paged step of one row per
+    session, :func:`~offgraph_export.kernels.paged_attend.paged_step`); None without them. The
+    one-token kernels (``attend_decode``, ``paged_attend``) and the paged one-row-per-session
+    kernel rotate with them."""
     if rope_cos is None and rope_sin is None:
         return None
     d = head_dim
+    t = q.shape[2]
     torch._check(rope_cos is not None and rope_sin is not None, lambda: "rotary rows come as cos and sin")
-    torch._check(one_token, lambda: "rotary rows are taken by one-token steps only")
+    torch._check(one_token or per_token, lambda: "rotary rows are taken by one-token steps only (or paged steps of one row per session)")
     torch._check(d % 2 == 0 and k.shape[-1] == d, lambda: "rotary rows need an even head dim shared by q and k")
-    torch._check(rope_cos.numel() == d and rope_sin.numel() == d, lambda: f"rotary rows must hold {d} values")
+    rows = 1 if one_token else t
+    torch._check(rope_cos.numel() == rows * d and rope_sin.numel() == rows * d,
+                 lambda: f"rotary rows must hold {d} values per token")
     torch._check(rope_cos.dtype == q.dtype == k.dtype == rope_sin.dtype, lambda: "rotary rows, q and k share a dtype")
-    return rope_cos.reshape(d).contiguous(), rope_sin.reshape(d).contiguous()
+    if one_token:
+        return rope_cos.reshape(d).contiguous(), rope_sin.reshape(d).contiguous()
+    return rope_cos.reshape(t, d).contiguous(), rope_sin.reshape(t, d).contiguous()
 
 
 @dataclass(frozen=True)

@@ -258,7 +258,7 @@ def _paged_attend_kernel(
     sk_h, sk_t, sk_d,
     sv_h, sv_t, sv_d,
     pos_stride, slots_stride, pt_s0, pt_s1, len_stride, rows_stride,
-    n_slots, n_pages, span, ring_rows, window, n_kv_heads, qk_scale, num_splits,
+    n_slots, n_pages, span, ring_rows, window, n_kv_heads, qk_scale, num_splits, rope_st,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -279,8 +279,9 @@ def _paged_attend_kernel(
     split's unnormalized ``(m, l, acc)`` rows go to the partial buffers at
     ``((t * Hkv + h) * num_splits + s) * GROUP + g``, an empty split's as ``(-inf, 0, 0)``.
 
-    ``FOLD_WRITE`` (a one-token step: ``T`` the constant 1, so the token is its session's only
-    new row): no write kernel runs before this one. Split 0 writes the token's row (as
+    ``FOLD_WRITE`` (a one-token step, ``T`` the constant 1, or a step of one row per session:
+    every token is its session's only new row, so no token reads a row another token of the step
+    writes): no write kernel runs before this one. Split 0 writes the token's row (as
     ``_paged_write_kernel`` would, dropped where its destination is outside the storage) and
     starts its online softmax from the token's own key and value, taken from ``k``/``v`` rounded
     to the storage dtype (as the stored row will be); the splits read the stored positions
@@ -309,9 +310,9 @@ def _paged_attend_kernel(
     q_base = q_ptr + head[:, None] * sq_h + t * sq_t
     q_mask = row_ok[:, None] & d_ok[None, :]
     q = tl.load(q_base + offs_d[None, :] * sq_d, mask=q_mask, other=0.0)
-    if ROPE:  # a one-token step given its rotary rows (passes/decode_rope.py): rotate q here
-        cos = tl.load(cos_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    if ROPE:  # given its rotary rows (passes/decode_rope.py; row t at t * rope_st): rotate q here
+        cos = tl.load(cos_ptr + t * rope_st + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + t * rope_st + offs_d, mask=d_ok, other=0.0).to(tl.float32)
         q = _rotate_half(q, q_base, offs_d[None, :], sq_d, q_mask, cos[None, :], sin[None, :], HEAD_DIM)
     if QK_FP32:
         q = q.to(tl.float32)
@@ -505,11 +506,19 @@ def paged_step(
     settings: Optional[PagedLaunch] = None,
     rope_cos: Optional[torch.Tensor] = None,
     rope_sin: Optional[torch.Tensor] = None,
+    one_row_per_session: bool = False,
 ) -> torch.Tensor:
     """The op's host code, with the launch ``settings`` (default :func:`default_launch`):
-    eager callers (the sweep script) pass others. ``rope_cos``/``rope_sin``: a one-token step's
-    rotary rows (``D`` values each, q's dtype); q and k then arrive unrotated and the attention
-    kernel rotates them (``passes/decode_rope.py``)."""
+    eager callers (the sweep script) pass others. ``rope_cos``/``rope_sin``: the step's rotary
+    rows (``D`` values each per token, q's dtype); q and k then arrive unrotated and the attention
+    kernel rotates them (``passes/decode_rope.py``).
+
+    ``one_row_per_session``: the caller promises that every token of the step is its session's
+    only new row (a decode step of several sessions; padding tokens, all alike, may share the
+    scratch row). Then, as for one token, the row writes are folded into the attention kernel (no
+    write kernel), q/k/v are read where they lie (no copies: the caller's strides are the
+    kernels', which holds for an eager call), and rotary rows may come one per token. A step
+    that breaks the promise reads rows of its own step that are not written yet."""
     settings = settings or default_launch()
     b, hq, t, _ = q.shape
     hkv = k.shape[1]
@@ -536,7 +545,8 @@ def paged_step(
         torch._check(k_store.shape[dim] == v_store.shape[dim], lambda: "k and v storage must agree but for the head dim")
     n_outer = k_store.shape[0]  # flat: pages; ring: slots
     one_token = isinstance(t, int) and t == 1
-    if one_token:
+    fold = one_token or one_row_per_session
+    if fold:
         # One token (the decode method, an eager call): the kernels use only the head and head-dim
         # strides, which the views making q/k/v fix in any trace (kernels/triton_attend.py); no
         # copy, and the row write is folded into the attention kernel (FOLD_WRITE).
@@ -552,16 +562,17 @@ def paged_step(
     launch = AttendLaunch.for_step(q, k, v, k_store, v_store, window, scale)
     group = launch.group
     block_n = min(launch.block_n, settings.max_block_n)
-    rotary = rope_rows(rope_cos, rope_sin, q, k, launch.head_dim, one_token)
+    rotary = rope_rows(rope_cos, rope_sin, q, k, launch.head_dim, one_token, per_token=one_row_per_session)
     rope = rotary is not None
     cos, sin = rotary if rotary is not None else (pos, pos)  # unread without ROPE
+    rope_st = cos.stride(0) if rope and cos.dim() == 2 else 0
     block_m = pow2_at_least(group)
     out = attention_output(1, hq, t, launch.v_dim, out_dtype, q.device)
     if _statically_zero(t):
         return out
     wrap_triton = torch.library.wrap_triton
 
-    if not one_token:
+    if not fold:
         wrap_triton(_paged_write_kernel)[(t, hkv, 1)](
             k, v, pos, token_slots, token_rows, k_store, v_store,
             *k.stride()[1:], *v.stride()[1:], *k_store.stride()[:3], *v_store.stride()[:3],
@@ -591,12 +602,12 @@ def paged_step(
         pos.stride(0), token_slots.stride(0), page_table.stride(0), page_table.stride(1),
         session_lengths.stride(0), token_rows.stride(0),
         page_table.shape[0] if flat else n_outer, n_outer, max_keys if flat else 0, ring_rows,
-        launch.window, hkv, launch.qk_scale, splits,
+        launch.window, hkv, launch.qk_scale, splits, rope_st,
         GROUP=group, HEAD_DIM=launch.head_dim, V_DIM=launch.v_dim,
         BLOCK_D=launch.block_d, BLOCK_DV=launch.block_dv, BLOCK_M=block_m, BLOCK_N=block_n,
         PAGE_SIZE=page_size, ONE_PAGE_PER_BLOCK=flat and block_n <= page_size,
         MIN_SPLIT_KEYS=settings.min_split_keys, HAS_WINDOW=not flat,
-        QK_FP32=launch.qk_fp32, PV_FP32=launch.pv_fp32, FOLD_WRITE=one_token, ROPE=rope,
+        QK_FP32=launch.qk_fp32, PV_FP32=launch.pv_fp32, FOLD_WRITE=fold, ROPE=rope,
         num_warps=settings.num_warps,
         num_stages=(settings.num_stages_small_heads if max(launch.block_d, launch.block_dv) <= 64
                     else settings.num_stages),
