@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import random
 import re
 import struct
@@ -599,6 +600,28 @@ def test_a_file_renamed_over_the_package_after_its_checks_is_not_what_loads(exam
     assert path.stat().st_size == len(data) // 2  # the path now names the other file
     with pytest.raises(ArtifactError):
         Artifact.load(path)
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="pinning by descriptor needs /proc/self/fd (Linux)")
+def test_torchs_loader_gets_a_link_to_the_pinned_file_not_a_copy(example_artifact, monkeypatch):
+    """torch's ``load_pt2`` given a file object reads the whole archive into memory and writes it
+    to a temporary file (2.5 GB for a 1B package): it gets a ``.pt2`` name instead, a link to the
+    pinned descriptor, which reaches the checked file and is gone after the load."""
+    import torch.export.pt2_archive._package as package
+
+    real = package.load_pt2
+    given = []
+
+    def spy(f, **kwargs):
+        given.append((f, os.path.realpath(f) if isinstance(f, str) else None, os.path.islink(f) if isinstance(f, str) else None))
+        return real(f, **kwargs)
+
+    monkeypatch.setattr(package, "load_pt2", spy)
+    Artifact.load(example_artifact)
+    (name, target, is_link), = given
+    assert isinstance(name, str) and name.endswith(".pt2") and is_link, given
+    assert target == os.path.realpath(example_artifact)
+    assert not os.path.exists(os.path.dirname(name))  # the private folder went with the load
 
 
 def test_load_errors_name_the_path_not_the_descriptor(tmp_path):
