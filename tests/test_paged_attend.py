@@ -584,3 +584,14 @@ def test_cuda_matches_portable(case, monkeypatch):
     _settings(monkeypatch, case)
     run_case(case, "cuda")
     torch.cuda.synchronize()
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("rope", [False, True], ids=["plain", "rope"])
+@pytest.mark.parametrize("case", FOLD_CASES, ids=[c.id for c in FOLD_CASES])
+def test_cuda_one_row_per_session_folds_the_writes(case, rope, monkeypatch):
+    _settings(monkeypatch, case)
+    tol = _tolerance(case.store_dtype) if case.store_dtype != torch.float32 else dict(atol=1e-4, rtol=1e-4)
+    run_fold_case(case, "cuda", tol, rope)
+    torch.cuda.synchronize()
