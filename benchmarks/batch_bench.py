@@ -477,7 +477,8 @@ class BatchedContender:
             width = self.runner._width(len(idxs))
             step()  # the staging buffers hold this step's inputs again
             sync()
-            data["replay_only"] = {"width": width, **time_steps(graphs[width].graph.replay, self.bench.args.steps)}
+            key = (width, self.runner.last_method)
+            data["replay_only"] = {"width": width, "method": key[1], **time_steps(graphs[key].graph.replay, self.bench.args.steps)}
         return data
 
 

@@ -62,7 +62,7 @@ class StepReport(BaseModel):
     start: int
     width: int
     width_from_spec: int
-    #: the compiled method that ran the step (``model``: the general step; ``decode``)
+    #: the compiled method that ran the step (``model``: the general step; ``decode``; ``sessions``)
     method: str = ""
     #: a batched check: the session (its join number) whose tokens these were, and the step's
     #: tokens over all sessions
@@ -111,14 +111,14 @@ class CheckReport(BaseModel):
         lines += [f"  problem: {p}" for p in self.problems]
         lines += [f"  note: {n}" for n in self.notes]
         batched = self.sessions is not None
-        lines.append("  step " + ("sess " if batched else "") + "kind     start width spec  method  max|err|    tol       storage  grew")
+        lines.append("  step " + ("sess " if batched else "") + "kind     start width spec  method    max|err|    tol       storage  grew")
         for s in self.steps:
             mark = "ok  " if s.ok else "FAIL"
             grew = str(s.grew_to) if s.grew_to else ""
             sess = f"{s.session:<4d} " if batched and s.session is not None else ""
             lines.append(
                 f"  {mark} {s.index:<3d} {sess}{s.kind:<7s} {s.start:5d} {s.width:5d} {s.width_from_spec:4d}  "
-                f"{s.method:<6s} {s.max_abs_err:9.2e} {s.tolerance:9.2e} {s.storage_max_err:9.2e}  {grew}"
+                f"{s.method:<8s} {s.max_abs_err:9.2e} {s.tolerance:9.2e} {s.storage_max_err:9.2e}  {grew}"
             )
             lines += [f"       - {p}" for p in s.problems]
         # the artifact's path, the model and problems quoting the specs are untrusted text: no line
@@ -590,7 +590,7 @@ def _replay_batched(runner, bundle: ModelBundle, report: CheckReport, sessions: 
             for sid, n in plan.items():
                 start = active[sid]
                 step = StepReport(index=index, kind="prefill" if sid in prefilling else "decode", start=start, width=n,
-                                  width_from_spec=n, method=runner.program.method_for(sum(plan.values())),
+                                  width_from_spec=n, method=runner.last_method or "",
                                   session=number[sid], step_tokens=sum(plan.values()))
                 report.steps.append(step)
                 inputs = bundle.make_inputs(tokens[sid][:, start : start + n].to(device), start)
@@ -613,6 +613,9 @@ def _replay_batched(runner, bundle: ModelBundle, report: CheckReport, sessions: 
         report.notes.append(f"sessions crossed {report.page_crossings} page boundaries (wanted >= 2)")
     if joined < sessions:
         report.notes.append(f"{joined} of {sessions} sessions joined within {steps} steps")
+    ran = runner.metrics().method_steps
+    if len(ran) > 1:
+        report.notes.append("methods: " + ", ".join(f"{m} ran {n} steps" for m, n in sorted(ran.items())))
 
 
 def _pool_rows(tensor: torch.Tensor, flat: bool) -> torch.Tensor:

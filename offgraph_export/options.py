@@ -106,6 +106,13 @@ def default_decode_rope(device: str, decode_method: bool, step_impl: str) -> boo
     return default_decode_gemv(device, decode_method) and step_impl == "triton"
 
 
+def default_decode_sessions(step_impl: str) -> bool:
+    """The sessions method of a batched artifact: on where its rewrite changes the kernels, the
+    triton paged step (the portable step's calls are aten ops: the method would compute the same
+    thing the same way)."""
+    return step_impl == "triton"
+
+
 #: the CLI flag of each field, named in errors
 _FLAGS = {
     "format": "--format",
@@ -117,6 +124,7 @@ _FLAGS = {
     "max_autotune": "--max-autotune",
     "decode_gemv": "--decode-gemv",
     "decode_rope": "--decode-rope",
+    "decode_sessions": "--decode-sessions",
 }
 
 
@@ -135,6 +143,8 @@ class ResolvedOptions(BaseModel):
     max_autotune: Autotune
     decode_gemv: bool
     decode_rope: bool
+    #: a batched artifact's method for decode-only steps (``passes/decode_sessions.py``)
+    decode_sessions: bool = False
 
     @property
     def export_device(self) -> str:
@@ -144,17 +154,21 @@ class ResolvedOptions(BaseModel):
 
     def record(self) -> dict[str, bool | int | str]:
         """The options the specs record (``ArtifactSpecs.options``, shown by ``inspect``)."""
-        return pass_record(self.fuse_projections, self.decode_method, self.decode_gemv, self.decode_rope) | lowering_record(
-            self.format, self.max_autotune
-        )
+        return pass_record(
+            self.fuse_projections, self.decode_method, self.decode_gemv, self.decode_rope, self.decode_sessions
+        ) | lowering_record(self.format, self.max_autotune)
 
 
-def pass_record(fuse: bool, decode_method: bool, decode_gemv: bool, decode_rope: bool) -> dict[str, bool | int | str]:
+def pass_record(
+    fuse: bool, decode_method: bool, decode_gemv: bool, decode_rope: bool, decode_sessions: bool = False,
+) -> dict[str, bool | int | str]:
     """The part of the specs' options the passes decide: the fold flags only where there is a
-    decode method to fold into."""
+    decode method to fold into; ``decode_sessions`` only where it is on (a batched artifact's)."""
     out: dict[str, bool | int | str] = {"fuse_projections": fuse}
     if decode_method:
         out |= {"decode_gemv": decode_gemv, "decode_rope": decode_rope}
+    if decode_sessions:
+        out["decode_sessions"] = True
     return out
 
 
@@ -177,6 +191,7 @@ class ExportOptions(BaseModel):
     max_autotune: Autotune | None = None
     decode_gemv: bool | None = None
     decode_rope: bool | None = None
+    decode_sessions: bool | None = None
 
     @classmethod
     def parse(cls, **fields: Any) -> "ExportOptions":
@@ -193,9 +208,10 @@ class ExportOptions(BaseModel):
                 f"{name}={err.get('input')!r} is not valid: {err['msg']}", _FLAGS.get(name, "--help")
             ) from None
 
-    def resolve(self, max_write: int | None = None) -> ResolvedOptions:
+    def resolve(self, max_write: int | None = None, batched: bool | None = None) -> ResolvedOptions:
         """The device's defaults filled in and every rule checked. ``max_write``: the cache's
-        step bound, when known (the token width must range over at least ``[1, 2]``)."""
+        step bound, when known (the token width must range over at least ``[1, 2]``);
+        ``batched``: whether the cache is paged (``--max-sessions``), when known."""
         if not _DEVICE.fullmatch(self.device):
             raise OptionError(f"unknown device {self.device!r}; expected cpu, cuda or cuda:N", "--device")
         pt2 = self.format == "pt2"
@@ -239,6 +255,18 @@ class ExportOptions(BaseModel):
                 "max_autotune='decode' tunes the decode method, which this program leaves out; use 'all' or 'none'",
                 "--max-autotune",
             )
+        if self.decode_sessions and not pt2:
+            raise OptionError("--decode-sessions is a method of a .pt2 batched artifact; drop it for --format executorch", "--decode-sessions")
+        if self.decode_sessions and batched is False:
+            raise OptionError(
+                "--decode-sessions adds the batched artifact's method for decode steps of several sessions: "
+                "use it with --max-sessions N",
+                "--decode-sessions",
+            )
+        decode_sessions = (
+            self.decode_sessions if self.decode_sessions is not None
+            else bool(batched) and pt2 and default_decode_sessions(step_impl)
+        )
         if max_write is not None and max_write < 2:  # a width range [1, 1] is a constant to torch.export
             raise OptionError(f"max_write {max_write} is too small: a step's token width must range over at least [1, 2]", "--max-write")
         return ResolvedOptions(
@@ -251,4 +279,5 @@ class ExportOptions(BaseModel):
             max_autotune=max_autotune,  # type: ignore[arg-type]
             decode_gemv=self.decode_gemv if self.decode_gemv is not None else gemv_ok,
             decode_rope=self.decode_rope if self.decode_rope is not None else rope_ok,
+            decode_sessions=decode_sessions,
         )

@@ -30,6 +30,7 @@ from offgraph_export.passes.bound_table_indices import bound_table_indices
 from offgraph_export.passes.build_manifest import build_manifest
 from offgraph_export.passes.decode_gemv import decode_gemv as decode_gemv_pass
 from offgraph_export.passes.decode_rope import decode_rope as decode_rope_pass
+from offgraph_export.passes.decode_sessions import decode_sessions as decode_sessions_pass
 from offgraph_export.passes.functionalize import functionalize
 from offgraph_export.passes.fuse_projections import fuse_projections
 from offgraph_export.passes.graph_utils import describe_inputs, output_width_dims, user_input_nodes
@@ -40,7 +41,7 @@ from offgraph_export.passes.split_to_slices import split_to_slices
 from offgraph_export.passes.specialize_width import specialize_width
 from offgraph_export.passes.strip_kv_cache import strip_kv_cache
 from offgraph_export.passes.validate import validate_kv_sites
-from offgraph_export.specs.artifact import DECODE_METHOD, STEP_METHOD, ArtifactSpecs, SymbolRange
+from offgraph_export.specs.artifact import DECODE_METHOD, SESSIONS_METHOD, STEP_METHOD, ArtifactSpecs, SymbolRange
 from offgraph_export.specs.cache_config import CacheConfig
 from offgraph_export.specs.manifest import CacheManifest
 from offgraph_export.specs.step_width import StepWidthSpec
@@ -76,6 +77,8 @@ class StrippedProgram:
     options: dict[str, bool | int | str] = field(default_factory=dict)
     pass_results: dict[str, PassResult[Any]] = field(default_factory=dict)
     decode: ExportedProgram | None = None
+    #: a batched program's sessions method (decode steps of several sessions), when asked for
+    sessions: ExportedProgram | None = None
 
     @property
     def programs(self) -> dict[str, ExportedProgram]:
@@ -83,6 +86,8 @@ class StrippedProgram:
         methods = {STEP_METHOD: self.stripped}
         if self.decode is not None:
             methods[DECODE_METHOD] = self.decode
+        if self.sessions is not None:
+            methods[SESSIONS_METHOD] = self.sessions
         return methods
 
     def artifact_specs(self, device: str, options: dict[str, bool | int | str] | None = None, **model_info) -> ArtifactSpecs:
@@ -108,6 +113,7 @@ class StrippedProgram:
             positions_input=self.positions_input,
             options={**self.options, **(options or {})},
             decode_method=self.decode is not None,
+            sessions_method=self.sessions is not None,
             output_width_dims=output_width_dims(self.stripped, width_symbol),
             **model_info,
         )
@@ -163,12 +169,14 @@ def run_passes(
     decode_method: bool = False,
     decode_gemv: bool = False,
     decode_rope: bool = False,
+    decode_sessions: bool = False,
 ) -> StrippedProgram:
     """validate -> record step width -> record positions -> bound table indices -> fuse
     projections (``fuse``) -> build manifest -> strip -> functionalize [and, from the stripped
     program, specialize width -> GEMV projections (``decode_gemv``) -> rotary embedding into the
     attention kernel (``decode_rope``) -> functionalize: the decode
-    method (``decode_method``)].
+    method (``decode_method``)] [and, for a batched program, re-trace -> one row per session ->
+    functionalize: the sessions method (``decode_sessions``)].
 
     ``step_impl``: ``portable``, ``triton``, or a callable with the signature of
     ``portable_update_and_attend`` (recorded in the specs by its ``__name__``)."""
@@ -206,6 +214,15 @@ def run_passes(
             decode_program = results["decode_rope"].program
         results["functionalize_decode"] = functionalize(decode_program)
         decode = results["functionalize_decode"].program
+    sessions = None
+    if decode_sessions:
+        if results["build_manifest"].produced.paging is None:
+            raise ExportError("the sessions method is a batched artifact's (decode steps of several sessions): export with max_sessions")
+        stripped = results["strip_kv_cache"].program
+        results["retrace_sessions"] = specialize_width(stripped, results["record_step_width"].produced, width=None)
+        results["decode_sessions"] = decode_sessions_pass(results["retrace_sessions"].program)
+        results["functionalize_sessions"] = functionalize(results["decode_sessions"].program)
+        sessions = results["functionalize_sessions"].program
     return StrippedProgram(
         exported=ep,
         stripped=program,
@@ -214,9 +231,10 @@ def run_passes(
         step_impl=step_impl_name(step_impl),
         positions_input=results["record_positions"].produced,
         index_bounds=results["bound_table_indices"].produced,
-        options=pass_record(fuse, decode_method, decode_gemv, decode_rope),
+        options=pass_record(fuse, decode_method, decode_gemv, decode_rope, decode_sessions),
         pass_results=results,
         decode=decode,
+        sessions=sessions,
     )
 
 
@@ -236,7 +254,8 @@ def lower(
     options = ExportOptions.parse(
         format=format, device=device, executorch_backend=None if format == "pt2" else executorch_backend,
         decode_method=program.decode is not None, max_autotune=max_autotune,
-    ).resolve(program.manifest.max_write)
+        decode_sessions=True if program.sessions is not None else None,
+    ).resolve(program.manifest.max_write, batched=program.manifest.paging is not None)
     if format == "pt2":
         specs = program.artifact_specs(device, options=lowering_record(format, options.max_autotune), **model_info)
         return compile_package(program.programs, path, specs, progress)
@@ -279,7 +298,7 @@ def export_and_lower(
     if options is not None and option_fields:
         raise OptionError(f"give export options either as options= or as keywords, not both ({sorted(option_fields)})", "--help")
     wanted = options if options is not None else ExportOptions.parse(**option_fields)
-    resolved = wanted.resolve(bundle.cache_config.max_write)
+    resolved = wanted.resolve(bundle.cache_config.max_write, batched=bundle.cache_config.max_sessions is not None)
     device = resolved.export_device
     model_info = {"model": model, "model_args": model_args or {}, "model_dtype": model_dtype}
     module = bundle.model.to(device).requires_grad_(False)
@@ -294,6 +313,7 @@ def export_and_lower(
     program = run_passes(
         ep, inputs, bundle.cache_config, resolved.step_impl, fuse=resolved.fuse_projections,
         decode_method=resolved.decode_method, decode_gemv=resolved.decode_gemv, decode_rope=resolved.decode_rope,
+        decode_sessions=resolved.decode_sessions,
     )
     timings["passes_s"] = time.perf_counter() - t0
     progress(f"compiling ({resolved.format}) for {resolved.device} (tens of seconds per method)")

@@ -153,9 +153,10 @@ def test_portable_paged_step_matches_a_plain_recompute(window, seed):
 @pytest.fixture(scope="module")
 def batched_artifact(tmp_path_factory):
     """The example with 4 session slots and pages of 4 rows (layer 0 flat, layer 1 a ring of 16),
-    exported through the CLI for cpu."""
+    exported through the CLI for cpu with the sessions method (off by default on cpu, where it
+    computes what the general method does: here it carries the routing of decode steps)."""
     out = tmp_path_factory.mktemp("batched") / "batched.pt2"
-    cli("export", EXAMPLE, "-o", str(out), "--max-sessions", "4", "--page-size", "4")
+    cli("export", EXAMPLE, "-o", str(out), "--max-sessions", "4", "--page-size", "4", "--decode-sessions")
     return out
 
 
@@ -193,6 +194,8 @@ def test_check_batched_passes_with_joins_leaves_page_crossings_and_ring_wraps(lo
     report = check_batched(loaded_batched, example_bundle, sessions=8, seed=1)
     assert report.passed, report.render()
     assert report.sessions == 8 and report.page_crossings >= 2
+    ran = {s.method for s in report.steps}
+    assert ran == {"model", "sessions"} and any(n.startswith("methods: model ran") for n in report.notes), report.notes
     assert report.ring_wraps == {"1": True}
     assert any(s.kind == "prefill" and s.start > 0 for s in report.steps)  # a chunk after history
     assert max(report.schedule) > 1 and any(s.step_tokens and s.step_tokens > s.width for s in report.steps)
@@ -280,9 +283,52 @@ def test_a_one_token_step_goes_in_at_the_width_the_program_was_compiled_from(loa
     assert runner.metrics().padded_tokens == 3 and runner.length(a) == 8
 
 
-def test_a_failed_step_commits_nothing_for_anyone(tmp_path):
+def test_decode_steps_of_several_sessions_run_the_sessions_method(loaded_batched, example_bundle):
+    """A step of one token a session goes to the sessions method (padded or not), any step with a
+    longer feed to the general one; outputs are each session's eager oracle's either way."""
+    from offgraph_export.runtime.batched import BatchedRunner
+    from offgraph_export.specs.artifact import SESSIONS_METHOD, STEP_METHOD
+
+    assert loaded_batched.specs.methods == [STEP_METHOD, SESSIONS_METHOD] and loaded_batched.specs.sessions_method
+    assert loaded_batched.method_for(3, one_row_per_session=True) == SESSIONS_METHOD
+    assert loaded_batched.method_for(3) == STEP_METHOD
+    runner = BatchedRunner(loaded_batched)
+    manifest = loaded_batched.specs.manifest
+    sids = [runner.open() for _ in range(3)]
+    oracles = {sid: _oracle(example_bundle, manifest) for sid in sids}
+    fed = dict.fromkeys(sids, 0)
+    steps = [({sids[0]: [3, 4], sids[1]: [5], sids[2]: [6, 7, 8]}, STEP_METHOD)]
+    steps += [({sid: [10 + 3 * i + j] for j, sid in enumerate(sids)}, SESSIONS_METHOD) for i in range(6)]
+    steps += [({sids[1]: [40]}, SESSIONS_METHOD), ({sids[0]: [41], sids[2]: [42, 43]}, STEP_METHOD)]
+    for feeds, method in steps:
+        out = runner.step(feeds)
+        assert runner.last_method == method, (feeds, runner.last_method)
+        for sid, toks in feeds.items():
+            want = oracles[sid].step(example_bundle.make_inputs(torch.tensor([toks]), fed[sid]))[0]
+            torch.testing.assert_close(out[sid][0], want, atol=1e-4, rtol=1e-4)
+            fed[sid] += len(toks)
+    assert runner.metrics().method_steps == {STEP_METHOD: 2, SESSIONS_METHOD: 7}
+
+
+def test_specs_that_disown_or_invent_the_sessions_method_are_refused(batched_artifact, example_artifact, tmp_path):
+    """The sessions method is a batched artifact's: specs claiming it on a single-session
+    package, or leaving it out of a package that holds it, are refused at load by name."""
+    from offgraph_export.runtime import load_artifact
+    from tests.archive_tools import rewrite, specs_edit
+
+    invented = rewrite(example_artifact, tmp_path / "invented.pt2", specs_edit(lambda s: s.update(sessions_method=True)))
+    with pytest.raises(OffgraphError, match="only a batched artifact has that method"):
+        load_artifact(invented)
+    disowned = rewrite(batched_artifact, tmp_path / "disowned.pt2", specs_edit(lambda s: s.update(sessions_method=False)))
+    with pytest.raises(OffgraphError, match=r"aotinductor/sessions/.* is not part of an offgraph package"):
+        load_artifact(disowned)  # the sessions library is an entry the specs do not account for
+
+
+@pytest.mark.parametrize("sessions_method", [False, True], ids=["general", "sessions-method"])
+def test_a_failed_step_commits_nothing_for_anyone(tmp_path, sessions_method):
     """A real failure inside the compiled program (``tiny_models.GuardedTokens``): every session's
-    length, pages and storage bytes are as before the step, and the next step proceeds."""
+    length, pages and storage bytes are as before the step, and the next step proceeds; with the
+    sessions method the failing step is a decode step of both sessions and runs there."""
     from offgraph_export.pipeline import export_model, lower, run_passes
     from offgraph_export.reference.oracle import ReferenceOracle
     from offgraph_export.runtime import load_artifact
@@ -294,8 +340,9 @@ def test_a_failed_step_commits_nothing_for_anyone(tmp_path):
     config = CacheConfig(max_capacity=32, initial_capacity=8, max_write=8, ring_windows={1: 4}, max_sessions=3, page_size=2)
     inputs = (torch.zeros(1, 4, dtype=torch.int64), torch.arange(4))
     ep = export_model(model, inputs, (1, 0), config.max_write)
-    program = run_passes(ep, inputs, config)
+    program = run_passes(ep, inputs, config, decode_sessions=sessions_method)
     artifact = load_artifact(lower(program, tmp_path / "guarded.pt2", "cpu"))
+    assert artifact.specs.sessions_method == sessions_method
     runner = BatchedRunner(artifact, poison=True)
     a, b = runner.open(), runner.open()
     oa, ob = ReferenceOracle(model, program.manifest), ReferenceOracle(model, program.manifest)
@@ -306,7 +353,11 @@ def test_a_failed_step_commits_nothing_for_anyone(tmp_path):
     lengths, pages, free = (runner.length(a), runner.length(b)), (runner.pages(a), runner.pages(b)), runner.free_pages
     snapshot = [t.clone() for t in runner.storage]
     with pytest.raises(StepFailed, match="no session was advanced"):
-        runner.step({a: [5], b: [61, 7]})  # b crosses a page: the page it took goes back
+        if sessions_method:  # a decode step of both sessions
+            runner.step({a: [5], b: [61]})
+        else:  # b crosses a page: the page it took goes back
+            runner.step({a: [5], b: [61, 7]})
+    assert runner.last_method == ("sessions" if sessions_method else "model")
     assert (runner.length(a), runner.length(b)) == lengths and (runner.pages(a), runner.pages(b)) == pages
     assert runner.free_pages == free
     same = lambda x, y: torch.equal(x.isnan(), y.isnan()) and torch.equal(x.nan_to_num(), y.nan_to_num())  # noqa: E731

@@ -43,6 +43,7 @@ CASES = {
     "rope-portable": (dict(device="cuda", step_impl="portable", decode_rope=True), ("--decode-rope", "the triton step")),
     "autotune-decode-without-decode": (dict(max_autotune="decode"), ("--max-autotune", "tunes the decode method, which this program leaves out")),
     "autotune-all-cpu": (dict(max_autotune="all"), dict(max_autotune="all", decode_method=False)),
+    "sessions-for-pte": (dict(format="executorch", decode_sessions=True), ("--decode-sessions", "is a method of a .pt2 batched artifact")),
 }
 
 #: the CLI flags of each case's options (the cases the CLI can express on any machine)
@@ -122,6 +123,30 @@ def test_every_refusal_names_a_flag_the_cli_has():
     for options, expected in CASES.values():
         if isinstance(expected, tuple):
             assert expected[0] in flags
+
+
+@pytest.mark.parametrize("options, batched, expected", [
+    (dict(device="cuda"), True, True),  # the triton paged step: on
+    (dict(device="cuda", step_impl="portable"), True, False),
+    (dict(), True, False),  # cpu: the portable step, where the method computes the same thing
+    (dict(decode_sessions=True), True, True),  # asked for on cpu: made (the routing's tests use it)
+    (dict(device="cuda"), False, False),  # not batched
+    (dict(device="cuda"), None, False),  # not known to be batched
+    (dict(device="cuda", decode_sessions=False), True, False),
+])
+def test_the_sessions_method_by_default_where_the_triton_paged_step_runs(options, batched, expected):
+    resolved = ExportOptions(**options).resolve(batched=batched)
+    assert resolved.decode_sessions is expected
+    assert resolved.record().get("decode_sessions", False) is expected
+
+
+def test_the_sessions_method_needs_a_batched_artifact(tmp_path):
+    with pytest.raises(OptionError, match="use it with --max-sessions N") as info:
+        ExportOptions(decode_sessions=True).resolve(batched=False)
+    assert info.value.flag == "--decode-sessions"
+    proc = cli("export", EXAMPLE, "-o", str(tmp_path / "x.pt2"), "--decode-sessions", check=False)
+    assert proc.returncode == 2 and "Invalid value for '--decode-sessions'" in proc.stderr and "--max-sessions N" in proc.stderr
+    assert "building" not in proc.stderr
 
 
 def test_unknown_option_and_bad_value_are_option_errors():

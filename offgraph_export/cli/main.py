@@ -216,9 +216,10 @@ def cli(debug: bool) -> None:
 @click.option("--max-autotune", type=click.Choice(AUTOTUNE_CHOICES), help="Which methods inductor compiles with max-autotune (GEMM kernels chosen by timing them on the device; slower compile). Default: decode on cuda, none on cpu; pt2 only.")
 @click.option("--decode-gemv/--no-decode-gemv", "decode_gemv", default=None, help="In the decode method, run projections of at most 8192 outputs with the Triton GEMV kernel instead of the compiler's GEMM, folding in the RMSNorm before them, the SiLU·mul after a fused gate|up projection and the residual add after them (default: on wherever there is a cuda decode method).")
 @click.option("--decode-rope/--no-decode-rope", "decode_rope", default=None, help="In the decode method, rotate the query and new key inside the one-token attention kernel instead of a rotary-embedding kernel per layer (Llama-family eager rotary form; default: on for the cuda decode method with the triton step).")
+@click.option("--decode-sessions/--no-decode-sessions", "decode_sessions", default=None, help="With --max-sessions: also compile the sessions method, which runs every decode-only step of several sessions (one token each) with the row writes and rotary embedding inside the attention kernel and no q/k/v copies (docs/design.md section 10; default: on with the triton step, off with the portable one, where it computes the same thing; pt2 only).")
 @click.option("-a", "--arg", "factory_args", multiple=True, metavar="NAME=VALUE", help="Keyword argument for the model factory (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
-def export(model_factory, output, device, max_capacity, initial_capacity, max_write, dtype, rings, all_flat, max_sessions, page_size, pool_pages, step_impl, fmt, executorch_backend, fuse, decode_method, max_autotune, decode_gemv, decode_rope, factory_args, as_json):
+def export(model_factory, output, device, max_capacity, initial_capacity, max_write, dtype, rings, all_flat, max_sessions, page_size, pool_pages, step_impl, fmt, executorch_backend, fuse, decode_method, max_autotune, decode_gemv, decode_rope, decode_sessions, factory_args, as_json):
     """Export MODEL_FACTORY to a .pt2 artifact.
 
     MODEL_FACTORY is hf:DIR (a transformers checkpoint), gguf:FILE.gguf (a GGUF file, dequantized;
@@ -232,9 +233,9 @@ def export(model_factory, output, device, max_capacity, initial_capacity, max_wr
         options = ExportOptions.parse(
             format=fmt, device=device, executorch_backend=executorch_backend, step_impl=step_impl,
             fuse_projections=fuse, decode_method=decode_method, max_autotune=max_autotune,
-            decode_gemv=decode_gemv, decode_rope=decode_rope,
+            decode_gemv=decode_gemv, decode_rope=decode_rope, decode_sessions=decode_sessions,
         )
-        options.resolve()
+        options.resolve(batched=max_sessions is not None)
     except OptionError as exc:
         raise click.BadParameter(str(exc), param_hint=f"'{exc.flag}'") from None
     # torch and the pipeline only now: a refused option costs no import of them
@@ -315,7 +316,8 @@ def inspect(artifact, as_json):
             if m.paging is not None else []
         ),
         f"methods       {', '.join(specs.methods)}"
-        + ("  (decode: width 1, static shapes)" if specs.decode_method else _one_token_steps(specs, artifact)),
+        + ("  (decode: width 1, static shapes)" if specs.decode_method else _one_token_steps(specs, artifact))
+        + ("  (sessions: decode steps of several sessions, one row each)" if specs.sessions_method else ""),
         f"options       {', '.join(f'{k}={v}' for k, v in specs.options.items()) or '-'}",
         "",
         "inputs",

@@ -483,10 +483,12 @@ def _paged_step(
     out_dtype: torch.dtype,
     rope_cos: Optional[torch.Tensor] = None,
     rope_sin: Optional[torch.Tensor] = None,
+    one_row_per_session: bool = False,
 ) -> torch.Tensor:
     """Body of the triton_op (``window`` None: a flat layer)."""
     return paged_step(q, k, v, position, k_store, v_store, token_slots, token_rows, page_table,
-                      session_lengths, window, scale, out_dtype, rope_cos=rope_cos, rope_sin=rope_sin)
+                      session_lengths, window, scale, out_dtype, rope_cos=rope_cos, rope_sin=rope_sin,
+                      one_row_per_session=one_row_per_session)
 
 
 def paged_step(
@@ -641,6 +643,7 @@ def triton_paged_update_and_attend(
     out_dtype: torch.dtype,
     rope_cos: torch.Tensor | None = None,
     rope_sin: torch.Tensor | None = None,
+    one_row_per_session: bool = False,
 ) -> torch.Tensor:
     """Write every token's K/V row into ``k_store``/``v_store`` in place and attend each token
     over its own session's valid rows (design section 10).
@@ -652,7 +655,10 @@ def triton_paged_update_and_attend(
     inputs (int32) as in the design. Returns ``[1, Hq, T, Dv]`` in ``out_dtype``. Calls the
     ``offgraph_lowered::triton_paged_update_and_attend`` op, so ``torch.export`` records one node
     and AOTInductor compiles its kernels. ``rope_cos``/``rope_sin`` (one-token steps only): q and
-    k are unrotated and the kernel applies ``x * cos + rotate_half(x) * sin`` with these rows."""
+    k are unrotated and the kernel applies ``x * cos + rotate_half(x) * sin`` with these rows.
+    ``one_row_per_session``: every token is its session's only new row (the batched artifact's
+    sessions method, ``passes/decode_sessions.py``): see :func:`paged_step`; rotary rows may then
+    come one per token."""
     if _TRITON_IMPORT_ERROR is not None:
         raise ExportError(
             "the triton paged step needs the 'triton' package "
@@ -663,5 +669,5 @@ def triton_paged_update_and_attend(
         raise ExportError(f"window must be None (flat) or a positive int, got {window!r}")
     return _paged_step_op(
         q, k, v, position, k_store, v_store, token_slots, token_rows, page_table, session_lengths,
-        window, float(scale), out_dtype, rope_cos, rope_sin,
+        window, float(scale), out_dtype, rope_cos, rope_sin, bool(one_row_per_session),
     )

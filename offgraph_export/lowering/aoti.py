@@ -28,6 +28,7 @@ from offgraph_export.errors import ArtifactError, ExportError
 from offgraph_export.lowering.output_files import publish, staging
 from offgraph_export.specs.archive import check_package_stem
 from offgraph_export.specs.artifact import (
+    DECODE_METHOD,
     METHOD_KEY,
     PROGRAM_KEY,
     STEP_METHOD,
@@ -67,7 +68,7 @@ def aoti_metadata(specs: ArtifactSpecs, method: str = STEP_METHOD, constants: st
 def autotuned(specs: ArtifactSpecs, method: str) -> bool:
     """Whether ``method`` is compiled with max-autotune, per ``specs.options["max_autotune"]``."""
     choice = specs.options.get("max_autotune", "none")
-    return choice == "all" or (choice == "decode" and method != STEP_METHOD)
+    return choice == "all" or (choice == "decode" and method == DECODE_METHOD)
 
 
 def inductor_configs(specs: ArtifactSpecs, method: str, constants: str = "{}") -> dict[str, Any]:

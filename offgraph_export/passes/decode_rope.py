@@ -37,7 +37,7 @@ from offgraph_export.passes.graph_utils import (
 )
 from offgraph_export.passes.result import PassResult
 
-__all__ = ["decode_rope"]
+__all__ = ["decode_rope", "fold_rope", "is_rotary_row"]
 
 aten = torch.ops.aten
 _END = 2**63 - 1
@@ -54,14 +54,32 @@ def _is_half(node: object, x: torch.fx.Node, lo: int, hi: int) -> bool:
     return dim in (-1, rank - 1) and start == lo and step == 1 and (end == hi or (hi == d and end >= d))
 
 
-def _is_row(node: object, x: torch.Tensor) -> bool:
-    """``node`` is one rotary row: ``D`` values in ``x``'s dtype, every other dim of size 1."""
+def is_rotary_row(node: object, x: torch.Tensor, per_token: bool = False) -> bool:
+    """``node`` is one rotary row: ``D`` values in ``x``'s dtype, every other dim of size 1; with
+    ``per_token``, one row per token of ``x`` (``[..., T, D]``, ``T`` x's token dim, every other
+    dim 1)."""
     value = tensor_value(node)
-    return value is not None and value.dtype == x.dtype and value.shape[-1] == x.shape[-1] and value.numel() == x.shape[-1]
+    if value is None or value.dtype != x.dtype or value.dim() < 1 or value.shape[-1] != x.shape[-1]:
+        return False
+    if not per_token:
+        return value.numel() == x.shape[-1]
+    if value.dim() < 2 or x.dim() < 2:
+        return False
+    return _same_size(value.shape[-2], x.shape[-2]) and all(isinstance(n, int) and n == 1 for n in value.shape[:-2])
 
 
-def _match_rope(r: object) -> Optional[tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node, list[torch.fx.Node]]]:
-    """``(x, cos, sin, pattern nodes)`` when ``r`` is ``x * cos + rotate_half(x) * sin``."""
+def _same_size(a: object, b: object) -> bool:
+    """Two sizes that are the same int or the same symbol (no guard is added)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt) and str(a.node.expr) == str(b.node.expr)
+
+
+def _match_rope(
+    r: object, per_token: bool = False,
+) -> Optional[tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node, list[torch.fx.Node]]]:
+    """``(x, cos, sin, pattern nodes)`` when ``r`` is ``x * cos + rotate_half(x) * sin`` (rows
+    one per token where ``per_token``)."""
     operands = binary_operands(r, aten.add.Tensor)
     if operands is None:
         return None
@@ -83,12 +101,37 @@ def _match_rope(r: object) -> Optional[tuple[torch.fx.Node, torch.fx.Node, torch
                 half, d = xv.shape[-1] // 2, xv.shape[-1]
                 if not (_is_half(hi_half, x, half, d) and _is_half(lo_half, x, 0, half)):
                     continue
-                if set(users(x)) != {a, hi_half, lo_half} or not (_is_row(cos, xv) and _is_row(sin, xv)):
+                if set(users(x)) != {a, hi_half, lo_half} or not (is_rotary_row(cos, xv, per_token) and is_rotary_row(sin, xv, per_token)):
                     continue
                 if any(tensor_value(n).dtype != xv.dtype for n in (a, b, r)):
                     continue
                 return x, cos, sin, [a, hi_half, lo_half, pieces[0], cat, b, r]
     return None
+
+
+def fold_rope(node: torch.fx.Node, order: dict[torch.fx.Node, int], per_token: bool = False) -> bool:
+    """Give the attention call ``node`` its query's and key's rotary embedding to apply, where
+    both match the pattern with the same rows and nothing writes memory between the pattern's
+    first node and the call: the call then takes ``x`` for q and k and the rows as
+    ``rope_cos``/``rope_sin``. ``per_token``: rows one per token (a paged call of one row per
+    session, ``passes/decode_sessions.py``); else a one-token call and one row. Whether it
+    folded; the pattern's nodes are left for :func:`drop_dead`."""
+    args = op_arguments(node)
+    if args.get("rope_cos") is not None or args.get("rope_sin") is not None:
+        return False  # it takes rotary rows already
+    q_val = tensor_value(args["q"])
+    if q_val is None:
+        return False
+    if not per_token and (not isinstance(q_val.shape[2], int) or q_val.shape[2] != 1):
+        return False
+    q, k = _match_rope(args["q"], per_token), _match_rope(args["k"], per_token)
+    if q is None or k is None or q[1] is not k[1] or q[2] is not k[2]:
+        return False
+    first = min(q[3] + k[3], key=order.__getitem__)
+    if not no_write_between(first, node):
+        return False
+    replace_op_arguments(node, q=q[0], k=k[0], rope_cos=q[1], rope_sin=q[2])
+    return True
 
 
 def decode_rope(ep: ExportedProgram) -> PassResult[int]:
@@ -103,22 +146,8 @@ def decode_rope(ep: ExportedProgram) -> PassResult[int]:
     order = {n: i for i, n in enumerate(graph.nodes)}
     folded = 0
     for node in list(graph.nodes):
-        if not any(is_call(node, attend) for attend in attends):
-            continue
-        args = op_arguments(node)
-        if args.get("rope_cos") is not None or args.get("rope_sin") is not None:
-            continue  # it takes rotary rows already
-        q_val = tensor_value(args["q"])
-        if q_val is None or not isinstance(q_val.shape[2], int) or q_val.shape[2] != 1:
-            continue
-        q, k = _match_rope(args["q"]), _match_rope(args["k"])
-        if q is None or k is None or q[1] is not k[1] or q[2] is not k[2]:
-            continue
-        first = min(q[3] + k[3], key=order.__getitem__)
-        if not no_write_between(first, node):
-            continue
-        replace_op_arguments(node, q=q[0], k=k[0], rope_cos=q[1], rope_sin=q[2])
-        folded += 1
+        if any(is_call(node, attend) for attend in attends) and fold_rope(node, order):
+            folded += 1
     if folded:
         drop_dead(graph)
         graph.lint()

@@ -36,10 +36,12 @@ def _narrowed(example: torch.Tensor, node: torch.fx.Node, symbol: str, width: in
     return example.clone(memory_format=torch.contiguous_format)
 
 
-def specialize_width(stripped: ExportedProgram, step_width: StepWidthSpec, width: int = 1) -> PassResult[str]:
+def specialize_width(stripped: ExportedProgram, step_width: StepWidthSpec, width: int | None = 1) -> PassResult[str]:
     """Return ``stripped`` re-traced with the token width fixed at ``width``; storage rows stay
     dynamic. The examples are the stripped program's own, cut to ``width``. Produces the width
-    symbol that was fixed. The inputs keep their names and order."""
+    symbol that was fixed. The inputs keep their names and order. ``width`` None: re-traced with
+    every dim as it was (a program of its own, sharing the weights, for a pass to rewrite: the
+    batched artifact's sessions method, ``passes/decode_sessions.py``)."""
     nodes = user_input_nodes(stripped)
     symbol = str(size_expr(nodes[step_width.input_index].meta["val"].shape[step_width.dim]))
     if symbol.isdigit():
@@ -48,24 +50,31 @@ def specialize_width(stripped: ExportedProgram, step_width: StepWidthSpec, width
         raise ExportError("the stripped program carries no example inputs to trace the decode method with")
     args, _ = stripped.example_inputs
     shapes = input_dynamic_shapes(stripped)
-    for node, spec in zip(nodes, shapes):
-        for dim, size in enumerate(node.meta["val"].shape):
-            if isinstance(size, torch.SymInt) and str(size_expr(size)) == symbol:
-                del spec[dim]
-    examples = tuple(_narrowed(x, node, symbol, width) for x, node in zip(args, nodes))
+    if width is None:
+        examples = tuple(x.clone(memory_format=torch.contiguous_format) for x in args)
+    else:
+        for node, spec in zip(nodes, shapes):
+            for dim, size in enumerate(node.meta["val"].shape):
+                if isinstance(size, torch.SymInt) and str(size_expr(size)) == symbol:
+                    del spec[dim]
+        examples = tuple(_narrowed(x, node, symbol, width) for x, node in zip(args, nodes))
     try:
         ep = torch.export.export(stripped.module(), examples, dynamic_shapes=tuple(shapes), strict=False)
     except Exception as exc:  # export raises many types; keep the cause chained
-        raise ExportError(f"tracing the width-{width} method failed: {exc}") from exc
+        raise ExportError(f"tracing the {_label(width)} method failed: {exc}") from exc
     names = list(stripped.graph_signature.user_inputs)
     got = list(ep.graph_signature.user_inputs)
     if got != names:
-        raise ExportError(f"the width-{width} method takes inputs {got}, expected {names}")
+        raise ExportError(f"the {_label(width)} method takes inputs {got}, expected {names}")
     _check_same_inputs(stripped, ep, symbol, width)
     return PassResult(ep, modified=True, produced=symbol)
 
 
-def _check_same_inputs(general: ExportedProgram, fixed: ExportedProgram, symbol: str, width: int) -> None:
+def _label(width: int | None) -> str:
+    return f"width-{width}" if width is not None else "re-traced"
+
+
+def _check_same_inputs(general: ExportedProgram, fixed: ExportedProgram, symbol: str, width: int | None) -> None:
     """The re-traced program takes what the general one takes with the width at ``width``: same
     dtypes and static sizes, and every other dynamic dim dynamic with the same range (symbols
     may be renamed, consistently). The specs describe the decode method by this rule, so it must
@@ -81,7 +90,7 @@ def _check_same_inputs(general: ExportedProgram, fixed: ExportedProgram, symbol:
         for x, y in zip(a.shape, b.shape):
             if problem:
                 break
-            if x == symbol:
+            if x == symbol and width is not None:
                 ok = y == width
             elif isinstance(x, int):
                 ok = x == y
@@ -90,6 +99,6 @@ def _check_same_inputs(general: ExportedProgram, fixed: ExportedProgram, symbol:
             if not ok:
                 problem = f"shape {b.shape} where the general step takes {a.shape} ({symbol} = {width})"
         if problem:
-            raise ExportError(f"the width-{width} method's input {a.name!r} is {problem}")
+            raise ExportError(f"the {_label(width)} method's input {a.name!r} is {problem}")
     if len(set(renamed.values())) != len(renamed):
-        raise ExportError(f"the width-{width} method merged dynamic sizes the general step keeps apart: {renamed}")
+        raise ExportError(f"the {_label(width)} method merged dynamic sizes the general step keeps apart: {renamed}")

@@ -26,6 +26,7 @@ from offgraph_export.specs.artifact import (
     DECODE_METHOD,
     METHOD_KEY,
     PROGRAM_KEY,
+    SESSIONS_METHOD,
     STEP_METHOD,
     ArtifactSpecs,
     read_artifact_specs,
@@ -171,9 +172,15 @@ class Artifact:
                 + (f" + {batch} batch inputs)" if batch else ")")
             )
 
-    def method_for(self, width: int | None) -> str:
-        """The method that runs a step of ``width`` tokens (None: the general step)."""
-        return DECODE_METHOD if width == 1 and DECODE_METHOD in self._runs else STEP_METHOD
+    def method_for(self, width: int | None, one_row_per_session: bool = False) -> str:
+        """The method that runs a step of ``width`` tokens (None: the general step): the decode
+        method at width 1, the sessions method for a wider step of one row per session (a
+        batched decode step), where the package has them."""
+        if width == 1 and DECODE_METHOD in self._runs:
+            return DECODE_METHOD
+        if one_row_per_session and width is not None and width >= 2 and SESSIONS_METHOD in self._runs:
+            return SESSIONS_METHOD
+        return STEP_METHOD
 
     @property
     def general_min_width(self) -> int:
@@ -186,11 +193,15 @@ class Artifact:
         (``ArtifactSpecs.pads_one_token``; the methods loaded are the ones the specs name)."""
         return self._pads
 
-    def run(self, flat_inputs: Sequence[torch.Tensor], width: int | None = None) -> list[torch.Tensor]:
+    def run(
+        self, flat_inputs: Sequence[torch.Tensor], width: int | None = None, one_row_per_session: bool = False,
+    ) -> list[torch.Tensor]:
         """Call the compiled program for a step of ``width`` tokens (:meth:`method_for`) on
         model inputs followed by storage, as a flat list. A one-token step the general program
-        runs goes in at width 2 where :attr:`pads_one_token` (:meth:`_repeated`)."""
-        method = self.method_for(width)
+        runs goes in at width 2 where :attr:`pads_one_token` (:meth:`_repeated`).
+        ``one_row_per_session``: the caller's promise that every token is its session's only
+        new row (the batched runner's decode steps); the sessions method relies on it."""
+        method = self.method_for(width, one_row_per_session)
         inputs = list(flat_inputs)
         padded = width == 1 and method == STEP_METHOD and self._pads
         if padded:

@@ -11,7 +11,9 @@ along the token axis in the order given, and:
      writes, taken from the pool all or nothing (:class:`PoolExhausted` names the pool's size);
   2. fills the batch inputs on the host (positions, slots, rows by ``paged_row``, page tables,
      lengths) and copies them into the device buffers: the runtime never reads a device tensor;
-  3. runs the program (a captured graph per padded width when ``cuda_graphs``);
+  3. runs the program (a captured graph per padded width and method when ``cuda_graphs``): a
+     decode step of several sessions (one token each) by the sessions method where the package
+     has one, any other step by the general method (width 1: the decode method);
   4. commits every session's length only if the run returned: a failed step commits nothing for
      anyone and gives back the pages it took.
 
@@ -26,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from offgraph_export.errors import OffgraphError, StepFailed, StepRefused, first_line
 from offgraph_export.runtime.admission import positions_suppliable
@@ -65,6 +67,8 @@ class BatchMetrics(BaseModel):
     graph_replays: int = 0
     #: steps padded with scratch tokens (to a captured width)
     padded_tokens: int = 0
+    #: steps launched per compiled method (the decode steps of several sessions: ``sessions``)
+    method_steps: dict[str, int] = Field(default_factory=dict)
 
 
 @dataclass
@@ -181,7 +185,7 @@ class BatchedRunner:
         # numpy views of the staging buffers: a numpy store costs ~0.1 us, a tensor __setitem__ ~5
         self._np_table, self._np_lengths = self._host_table.numpy(), self._host_lengths.numpy()
         self._copied = torch.cuda.Event() if pin else None
-        self._graphs: dict[int, _StepGraph] | None = None
+        self._graphs: dict[tuple[int, str], _StepGraph] | None = None
         if cuda_graphs:
             if self.device.type != "cuda":
                 raise StepRefused("CUDA graphs need a cuda artifact")
@@ -195,6 +199,10 @@ class BatchedRunner:
         #: per width: the device and host ``[2, width]`` views of the token buffers (:meth:`_views`)
         self._staging: dict[int, _Staging] = {}
         self._steps = self._failed = self._refused = self._captures = self._replays = self._padded = 0
+        #: steps launched per method (``model``, ``decode``, ``sessions``), failed ones included
+        self._method_steps: dict[str, int] = {}
+        #: the method the last launched step ran
+        self.last_method: str | None = None
         self._exclusive = Exclusive("runner")
 
     # -- sessions -------------------------------------------------------------------------------
@@ -281,7 +289,8 @@ class BatchedRunner:
                     taken.append((session, new))
             width = self._width(total)
             self._fill(feeds, plan, width)
-            outputs = self._launch(width)
+            # a decode step (one token a session) may run the sessions method (design section 10)
+            outputs = self._launch(width, all(n == 1 for _, n, _ in plan))
         except StepRefused:
             self._give_back(taken)
             self._refused += 1
@@ -471,28 +480,32 @@ class BatchedRunner:
             views.inputs = [*model, *self.storage, *(batch[name] for name in BATCH_INPUTS)]
         return views.inputs
 
-    def _launch(self, width: int) -> list[torch.Tensor]:
+    def _launch(self, width: int, one_row_per_session: bool) -> list[torch.Tensor]:
+        """Run the step (its inputs filled) by the method for ``width`` tokens (``one_row_per_session``:
+        every token its session's only new row; padding tokens all write the scratch row, alike)."""
+        method = self.last_method = self.program.method_for(width, one_row_per_session)
+        self._method_steps[method] = self._method_steps.get(method, 0) + 1
         if self._graphs is None:
-            return self.program.run(self._inputs(width), width=width)
-        graph = self._graphs.get(width)
+            return self.program.run(self._inputs(width), width=width, one_row_per_session=one_row_per_session)
+        graph = self._graphs.get((width, method))
         if graph is None:
-            graph = self._graphs[width] = self._capture(width)
+            graph = self._graphs[(width, method)] = self._capture(width, one_row_per_session)
         graph.graph.replay()
         self._replays += 1
         return [out.clone() for out in graph.outputs]
 
-    def _capture(self, width: int) -> _StepGraph:
+    def _capture(self, width: int, one_row_per_session: bool) -> _StepGraph:
         """Capture the step of ``width`` tokens over the fixed buffers (after a warm-up on a side
         stream, which runs this step once: the replay then writes the same rows again)."""
         inputs = self._inputs(width)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self.program.run(inputs, width=width)
+            self.program.run(inputs, width=width, one_row_per_session=one_row_per_session)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            outputs = self.program.run(inputs, width=width)
+            outputs = self.program.run(inputs, width=width, one_row_per_session=one_row_per_session)
         self._captures += 1
         return _StepGraph(graph, outputs)
 
@@ -512,4 +525,5 @@ class BatchedRunner:
             graph_captures=self._captures,
             graph_replays=self._replays,
             padded_tokens=self._padded,
+            method_steps=dict(self._method_steps),
         )

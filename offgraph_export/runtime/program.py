@@ -35,8 +35,9 @@ class LoadedProgram(Protocol):
         """The device it runs on, with its index (``cuda:0``)."""
         ...
 
-    def method_for(self, width: int | None) -> str:
-        """The name of the method that runs a step of ``width`` tokens (None: the general step)."""
+    def method_for(self, width: int | None, one_row_per_session: bool = False) -> str:
+        """The name of the method that runs a step of ``width`` tokens (None: the general step);
+        ``one_row_per_session``: a batched decode step, every token its session's only new row."""
         ...
 
     @property
@@ -45,7 +46,10 @@ class LoadedProgram(Protocol):
         narrower step up to it with scratch tokens)."""
         ...
 
-    def run(self, flat_inputs: Sequence[torch.Tensor], width: int | None = None) -> list[torch.Tensor]:
+    def run(
+        self, flat_inputs: Sequence[torch.Tensor], width: int | None = None, one_row_per_session: bool = False,
+    ) -> list[torch.Tensor]:
         """Run the step of ``width`` tokens on model inputs followed by storage (a flat list),
-        writing the storage in place; returns the model's outputs."""
+        writing the storage in place; returns the model's outputs. ``one_row_per_session``: as
+        for :meth:`method_for` (the caller's promise; the method it picks relies on it)."""
         ...

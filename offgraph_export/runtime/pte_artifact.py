@@ -87,7 +87,7 @@ class PteArtifact:
                     f"{spec.dtype} of rank {len(spec.shape)} in the specs"
                 )
 
-    def method_for(self, width: int | None) -> str:
+    def method_for(self, width: int | None, one_row_per_session: bool = False) -> str:
         """A ``.pte`` holds one method (``forward``), which serves every width."""
         return STEP_METHOD
 
@@ -96,7 +96,9 @@ class PteArtifact:
         """ExecuTorch runs the method at any width of the range its program records."""
         return 1
 
-    def run(self, flat_inputs: Sequence[torch.Tensor], width: int | None = None) -> list[torch.Tensor]:
+    def run(
+        self, flat_inputs: Sequence[torch.Tensor], width: int | None = None, one_row_per_session: bool = False,
+    ) -> list[torch.Tensor]:
         """Run ``forward`` on model inputs followed by storage; write the updated storage back into
         the storage tensors given and return the model's outputs."""
         outputs = self.method.execute(list(flat_inputs))  # type: ignore[attr-defined]

@@ -33,6 +33,7 @@ __all__ = [
     "METHOD_KEY",
     "STEP_METHOD",
     "DECODE_METHOD",
+    "SESSIONS_METHOD",
     "SPECS_ENTRY",
     "InputSpec",
     "SymbolRange",
@@ -53,6 +54,9 @@ METHOD_KEY = "offgraph_method"
 STEP_METHOD = "model"
 #: The width-1 step compiled with static shapes (present when ``ArtifactSpecs.decode_method``).
 DECODE_METHOD = "decode"
+#: A batched artifact's method for decode steps of several sessions (design section 10): the
+#: general step with every token its session's only new row.
+SESSIONS_METHOD = "sessions"
 
 TensorDtype = Literal[
     "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"
@@ -121,6 +125,8 @@ class ArtifactSpecs(BaseModel):
     options: Annotated[dict[str, bool | int | str], LimitedItems] = Field(default_factory=dict)
     #: the package also holds :data:`DECODE_METHOD`: the step specialized to one token
     decode_method: bool = False
+    #: the package also holds :data:`SESSIONS_METHOD` (batched artifacts only)
+    sessions_method: bool = False
     #: per model output of the general method, the dim that is the step's token width, when every
     #: output is per token along one (design section 4.3: a one-token step then runs the general
     #: program at width 2, its token repeated); None: not so, or not recorded (an earlier export)
@@ -193,6 +199,8 @@ class ArtifactSpecs(BaseModel):
             for size in inp.shape:
                 if isinstance(size, str) and size not in self.symbols:
                     raise ValueError(f"input {inp.name!r} uses the symbol {size!r}, which has no range")
+        if self.sessions_method and self.manifest.paging is None:
+            raise ValueError("sessions_method is true, but the manifest has no paging: only a batched artifact has that method")
         if self.positions_input is not None:
             if self.positions_input >= n:
                 raise ValueError(f"positions_input {self.positions_input} is not one of the {n} inputs")
@@ -207,22 +215,22 @@ class ArtifactSpecs(BaseModel):
     @property
     def methods(self) -> list[str]:
         """The compiled programs the package holds, by AOTI model name."""
-        return [STEP_METHOD, DECODE_METHOD] if self.decode_method else [STEP_METHOD]
+        return [STEP_METHOD] + [DECODE_METHOD] * self.decode_method + [SESSIONS_METHOD] * self.sessions_method
 
     def program_description(self, method: str = STEP_METHOD) -> str:
         """What the compiled ``method`` must agree with, as canonical JSON: the inputs, their
         symbols and ranges, the step width and the positions input. In the decode method the
-        width symbol is the constant 1."""
+        width symbol is the constant 1; the sessions method takes what the general step takes."""
         data = self.model_dump(mode="json", include={"inputs", "symbols", "step_width", "positions_input"})
-        if self.output_width_dims is not None and method == STEP_METHOD:  # absent before it was recorded
+        if self.output_width_dims is not None and method in (STEP_METHOD, SESSIONS_METHOD):  # absent before it was recorded
             data["output_width_dims"] = list(self.output_width_dims)
         if method == DECODE_METHOD:
             width = self.width_symbol
             for inp in data["inputs"]:
                 inp["shape"] = [1 if size == width else size for size in inp["shape"]]
             del data["symbols"][width]
-        elif method != STEP_METHOD:
-            raise SpecError(f"unknown method {method!r}; expected one of {[STEP_METHOD, DECODE_METHOD]}")
+        elif method not in (STEP_METHOD, SESSIONS_METHOD):
+            raise SpecError(f"unknown method {method!r}; expected one of {[STEP_METHOD, DECODE_METHOD, SESSIONS_METHOD]}")
         data["method"] = method
         return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
