@@ -201,7 +201,7 @@ class Artifact:
         runs goes in at width 2 where :attr:`pads_one_token` (:meth:`_repeated`).
         ``one_row_per_session``: the caller's promise that every token is its session's only
         new row (the batched runner's decode steps); the sessions method relies on it."""
-        method = self.method_for(width, one_row_per_session)
+        method = self.method_for(width, True) if one_row_per_session else self.method_for(width)
         inputs = list(flat_inputs)
         padded = width == 1 and method == STEP_METHOD and self._pads
         if padded:

@@ -483,7 +483,8 @@ class BatchedRunner:
     def _launch(self, width: int, one_row_per_session: bool) -> list[torch.Tensor]:
         """Run the step (its inputs filled) by the method for ``width`` tokens (``one_row_per_session``:
         every token its session's only new row; padding tokens all write the scratch row, alike)."""
-        method = self.last_method = self.program.method_for(width, one_row_per_session)
+        method = self.last_method = (self.program.method_for(width, True) if one_row_per_session
+                                     else self.program.method_for(width))
         self._method_steps[method] = self._method_steps.get(method, 0) + 1
         if self._graphs is None:
             return self.program.run(self._inputs(width), width=width, one_row_per_session=one_row_per_session)
