@@ -483,6 +483,14 @@ def _batched_plan(
     return plan
 
 
+def _rows_before_leaving(manifest: CacheManifest) -> int:
+    """The rows a checked session holds before it may leave: enough to have crossed pages (three
+    of them) and wrapped every ring layer's slot; a model without ring layers needs the pages only."""
+    assert manifest.paging is not None
+    rings = [ring_rows(l.window, manifest.max_write) for l in manifest.layers if l.window is not None]
+    return max([3 * manifest.paging.page_size, *(r + 1 for r in rings)])
+
+
 def check_batched(
     artifact: LoadedProgram | str | Path,
     bundle: ModelBundle | str,
@@ -551,9 +559,7 @@ def _replay_batched(runner, bundle: ModelBundle, report: CheckReport, sessions: 
     longest = manifest.max_capacity if manifest.has_flat else 4 * max(
         ring_rows(l.window, manifest.max_write) for l in manifest.layers if l.window is not None)
     wrapped: set[int] = set()
-    # a session may leave once it has crossed pages and wrapped every ring
-    rings = [ring_rows(l.window, manifest.max_write) for l in manifest.layers if l.window is not None]
-    mature = max(3 * paging.page_size, *(r + 1 for r in rings))
+    mature = _rows_before_leaving(manifest)
     with torch.no_grad():
         for index in range(steps):
             # joins (more early on) and leaves (a session with some history, now and then)

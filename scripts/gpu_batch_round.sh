@@ -5,7 +5,7 @@
 #       default launch settings, pages of 16 and 64, B = 1, 16, 64 at 1k and 8k history), then
 #       benchmarks/run_batch.sh's build phase with the page size the probe picked (64 only where
 #       it is >= 3% faster at B = 16 and B = 64 at 1k history; recorded in /tmp/page_size), beside
-#       the CUDA tests of the attention kernels;
+#       the CUDA tests of the attention kernels (CUDA_TESTS names others; PAGE_SIZE=N skips the probe);
 #   scripts/gpu_batch_round.sh measure OUT_DIR   the measure phase with the same options, then
 #       everything packed into OUT_DIR/bres.tgz (the device tool returns at most 8 files).
 # About 6-7 minutes, then about 9.
@@ -23,6 +23,10 @@ case "$PHASE" in
 build)
   nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv | tee -a "$OUT/summary.txt"
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/summary.txt"
+  if [ -n "${PAGE_SIZE:-}" ]; then
+    echo "$PAGE_SIZE" > /tmp/page_size
+    say "page size $PAGE_SIZE given (PAGE_SIZE): no probe"
+  else
   timeout 200 python3 scripts/sweep_paged_attention.py --out "$OUT/sweep_pages.json" --batches 1 16 64 \
     --history 1024 8192 --page-sizes 16 64 --default-only > "$OUT/sweep_pages.log" 2>&1
   say "page-size probe rc $?"
@@ -43,7 +47,8 @@ PY
 )
   echo "${PS:-16}" > /tmp/page_size
   say "page size for the build: $(cat /tmp/page_size)"
-  python3 -m pytest -q -m cuda tests/test_paged_attend.py tests/test_triton_attend.py -p no:cacheprovider \
+  fi
+  timeout -k 5 540 python3 -m pytest -q -m cuda ${CUDA_TESTS:-tests/test_paged_attend.py tests/test_triton_attend.py} -p no:cacheprovider \
     > "$OUT/pytest_cuda.log" 2>&1 &
   tests=$!
   BENCH_PHASE=build benchmarks/run_batch.sh /tmp/batch_round/build "${OPTS[@]}" --page-size "$(cat /tmp/page_size)" \

@@ -31,6 +31,16 @@ def _manifest(**paging) -> dict:
             "max_write": 32, "layers": [layer(0, None), layer(1, 16)], "paging": base}
 
 
+def test_check_lets_a_session_leave_after_crossing_pages_and_wrapping_every_ring():
+    from offgraph_export.check import _rows_before_leaving
+
+    with_ring = parse_manifest(json.dumps(_manifest()))
+    assert _rows_before_leaving(with_ring) == 16 + 32 - 1 + 1  # the ring of window 16 (max_write 32) wrapped
+    flat = _manifest(page_size=8, pages_per_session=8, pool_pages=33)
+    flat["layers"][1]["window"] = None
+    assert _rows_before_leaving(parse_manifest(json.dumps(flat))) == 3 * 8  # no ring: three pages
+
+
 def test_paged_manifest_parses_and_its_rules_hold():
     m = parse_manifest(json.dumps(_manifest()))
     assert m.paging.slots == 5 and m.paging.max_pool_pages == 65
@@ -458,3 +468,28 @@ def test_cuda_batched_check(graphs, tmp_path_factory):
 
     report = check_batched(str(out), cast_bundle(load_bundle(EXAMPLE), "bfloat16"), sessions=8, cuda_graphs=graphs)
     assert report.passed, report.render()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("graphs", [False, True], ids=["ordinary", "cuda-graphs"])
+def test_cuda_batched_check_of_a_transformers_llama(graphs, tmp_path_factory):
+    """A tiny transformers Llama as a batched cuda artifact: its sessions method takes the rotary
+    embedding into the attention kernel with one row per token (passes/decode_rope.py), so every
+    session's every decode step checks that fold against the eager model's own rotary code."""
+    transformers = pytest.importorskip("transformers")
+    from offgraph_export.check import check_batched
+    from offgraph_export.frontends import load_bundle
+    from offgraph_export.models import cast_bundle
+    from tests.test_frontend_hf import COMMON
+
+    base = tmp_path_factory.getbasetemp()
+    checkpoint, out = base / "hf_llama_batched", base / "hf_llama_batched_cuda.pt2"
+    if not out.exists():
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)).save_pretrained(checkpoint)
+        cli("export", f"hf:{checkpoint}", "-o", str(out), "--device", "cuda", "--dtype", "bfloat16",
+            "--max-capacity", "128", "--max-write", "32", "--max-sessions", "4", "--page-size", "4")
+    specs = json.loads(cli("inspect", str(out), "--json").stdout)
+    assert specs["sessions_method"], specs
+    report = check_batched(str(out), cast_bundle(load_bundle(f"hf:{checkpoint}"), "bfloat16"), sessions=8, cuda_graphs=graphs)
+    assert report.passed, report.render()
+    assert "sessions ran" in report.render()
