@@ -88,6 +88,10 @@ def _corrupt_specs_member(good, tmp):
     return flip_byte_in(good, tmp / "flipped_specs.pt2", SPECS_ENTRY)
 
 
+def _corrupt_weight(good, tmp):  # refused by the read that loads it (no pass of its own reads it)
+    return flip_byte_in(good, tmp / "flipped_weight.pt2", "data/weights/weight_0")
+
+
 def _widened_range(good, tmp):
     def change(specs):
         width = specs["inputs"][0]["shape"][1]
@@ -287,6 +291,8 @@ HOSTILE = [
     pytest.param(_duplicate, "appear more than once", id="duplicate-entry"),
     pytest.param(_corrupt_library, r"wrapper\.so' is corrupt", id="flipped-byte-in-library"),
     pytest.param(_corrupt_specs_member, r"offgraph_specs.json(' is corrupt|: BadZipFile: Bad CRC-32)", id="flipped-byte-in-specs"),
+    pytest.param(_corrupt_weight, r"weights/weight_0' is corrupt: its data's CRC-32 is 0x[0-9a-f]{8}, the directory "
+                 r"records 0x[0-9a-f]{8}$", id="flipped-byte-in-weight"),
     pytest.param(_widened_range, r"must lie in \[1, max_write=32\]", id="widened-width-range"),
     pytest.param(_narrowed_range, r"disagree with the compiled ('model' )?program's own", id="narrowed-width-range"),
     pytest.param(_empty_range, r"min > max", id="min-above-max"),

@@ -510,20 +510,23 @@ def _smallest_weight(good: Path) -> tuple[str, int]:
 
 @pytest.fixture
 def spied_reads(monkeypatch):
-    """Digests of the buffers torch.load is handed, and the names of the members zipfile reads."""
+    """Digests of the buffers torch.load is handed, and the names of the members the weight reader
+    reads (``read_member``, which reads each once, checksum and all)."""
+    from offgraph_export.runtime import weights as weights_module
+
     loads, reads = [], []
-    real_load, real_read = torch.load, zipfile.ZipFile.read
+    real_load, real_read = torch.load, weights_module.read_member
 
     def load(f, *args, **kwargs):
         loads.append(hashlib.sha256(f.getbuffer()).hexdigest() if isinstance(f, io.BytesIO) else None)
         return real_load(f, *args, **kwargs)
 
-    def read(self, name, *args, **kwargs):
-        reads.append(name if isinstance(name, str) else name.filename)
-        return real_read(self, name, *args, **kwargs)
+    def read(file, member, source):
+        reads.append(member.name)
+        return real_read(file, member, source)
 
     monkeypatch.setattr(torch, "load", load)
-    monkeypatch.setattr(zipfile.ZipFile, "read", read)
+    monkeypatch.setattr(weights_module, "read_member", read)
     return loads, reads
 
 

@@ -1,8 +1,10 @@
-"""Load a ``.pt2`` artifact: the archive's entries first (names, links, checksums: nothing is
-extracted from a bad archive), then its specs (no code), then each method's compiled program,
-cross-checked against the specs, then the weights, loaded once and shared by the methods, before
-any step runs. :meth:`Artifact.run` picks the method by the step's width: the decode method
-(static width 1) when the package has one, the general step otherwise.
+"""Load a ``.pt2`` artifact: the archive's entries first (names, links, the checksums of everything
+but the weight files: nothing is extracted from a bad archive), then its specs (no code), then
+each method's compiled program, cross-checked against the specs, then the weights, each file's
+checksum verified over the bytes loaded (so the weights are read once, not once to verify them
+and again to load them), loaded once and shared by the methods, before any step runs.
+:meth:`Artifact.run` picks the method by the step's width: the decode method (static width 1)
+when the package has one, the general step otherwise.
 
 Loading a compiled package runs native code: load only artifacts you trust. These checks refuse
 corrupt, inconsistent or path-traversing archives; they cannot make a malicious library safe."""
@@ -75,8 +77,10 @@ class Artifact:
         self._runs = {name: m.loader.run for name, m in methods.items()}  # type: ignore[attr-defined]
         self._pads = DECODE_METHOD not in self._runs and specs.pads_one_token
         self._checks_on: set[str] = set()  # methods whose compiled input checks are latched on
-        #: seconds per stage of :meth:`load` (``verify``, ``loader``, ``cross_check``, ``weights``,
-        #: ``constants``); empty for an artifact made otherwise
+        #: seconds per stage of :meth:`load`: ``archive`` (the checks and the checksums before any
+        #: code loads), ``loader`` (torch's, which extracts and opens each method's library),
+        #: ``cross_check``, ``weights`` (read, checksummed, loaded), ``constants``; empty for an
+        #: artifact made otherwise
         self.load_seconds: dict[str, float] = {}
 
     @property
@@ -85,12 +89,20 @@ class Artifact:
         one its weights were loaded on, whatever device is current later."""
         return self._device
 
+    @property
+    def load_s(self) -> float:
+        """Seconds :meth:`load` took (the sum of :attr:`load_seconds`; 0.0 for an artifact made otherwise)."""
+        return sum(self.load_seconds.values())
+
     @classmethod
     def load(cls, path: str | os.PathLike, single_threaded: bool = False) -> "Artifact":
-        """``single_threaded=True`` loads for CUDA graph capture. The archive is checked in full
-        (``read_artifact_specs(verify_crc=True)``: names, the one canonical zip layout, so torch's
-        loader reads the entries that were checked and no others, bounded counts and sizes, every
-        checksum) before torch's loader opens it."""
+        """``single_threaded=True`` loads for CUDA graph capture. The archive is checked before
+        torch's loader opens it (``check_archive(defer_weights=True)``: names, the one canonical
+        zip layout, so torch's loader reads the entries that were checked and no others, bounded
+        counts and sizes, the checksum of every member but the weight files). torch's loader reads
+        only the methods' folders; the weight files are this module's to read, and each one's
+        checksum is verified over the bytes loaded (``runtime/weights.py``): a bad one refuses the
+        load, naming the file and both checksums, and no artifact is returned."""
         path = Path(path)
         with _pinned(path) as pinned, _named(pinned, path):
             return cls._load(path, pinned, single_threaded)
@@ -100,11 +112,12 @@ class Artifact:
         """:meth:`load`, every read through ``pinned`` (the file ``path`` named when it was
         opened, :func:`_pinned`; :meth:`load`'s :func:`_named` puts ``path`` in the messages)."""
         clock = _StageClock()
-        specs = read_artifact_specs(pinned, verify_crc=True)
+        names = [info.filename for info in check_archive(pinned, defer_weights=True)]
+        specs = read_artifact_specs(pinned)
         if specs.device == "cuda" and not torch.cuda.is_available():
             raise ArtifactError(f"{path} was compiled for cuda but no CUDA device is available")
-        check_pt2_layout([i.filename for i in check_archive(pinned, verify_crc=False)], str(path), specs.methods)
-        clock.stage("verify")
+        check_pt2_layout(names, str(path), specs.methods)
+        clock.stage("archive")
         try:
             from torch.export.pt2_archive._package import load_pt2
 
@@ -119,7 +132,7 @@ class Artifact:
         device = _current_device(specs.device)
         # each view sized by the dtype its method was compiled for, before any weight file is read
         descriptions = {method: runners[method].get_metadata()[CONSTANTS_KEY] for method in specs.methods}
-        weights = load_method_weights(pinned, specs.methods, device, constants=descriptions)
+        weights = load_method_weights(pinned, specs.methods, device, constants=descriptions)  # checksummed as read
         clock.stage("weights")
         for method in specs.methods:
             check_constants(weights[method], runners[method].get_metadata()[CONSTANTS_KEY], method, str(path))

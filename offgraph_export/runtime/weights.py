@@ -7,9 +7,13 @@ to ``[file, shape, stride, storage offset]``. Both are untrusted input: a config
 that form within the size limits, name only weight files that exist in the archive, and describe
 views that lie inside the loaded tensor (their dtype, shape and strides are then compared with what
 the program was compiled for, ``specs/constants.py``); the files are read with ``torch.load(weights_only=True)``
-(tensors only, no code) straight onto the artifact's device. Nothing is read unbounded: the archive
-passes :func:`~offgraph_export.specs.archive.check_archive` (its one canonical layout and the
-limits on counts and sizes) first, a weight file larger than the bytes its views take (their extent
+(tensors only, no code) straight onto the artifact's device. Each file is read from the archive once:
+its CRC-32 is computed over the bytes as they are read and compared before ``torch.load`` sees them
+(:func:`~offgraph_export.specs.archive.read_member`), which is why the loader's up-front checksum
+pass leaves the weight files out (a 16 GB package would otherwise be read twice); a weight file no
+config names is verified here too. Nothing is read unbounded: the archive passes the checks of
+:func:`~offgraph_export.specs.archive.check_archive` (its one canonical layout and the limits on
+counts and sizes) first, a weight file larger than the bytes its views take (their extent
 times the element size of the dtype the program was compiled for, plus
 :data:`~offgraph_export.specs.limits.MAX_TENSOR_FILE_OVERHEAD`) is refused before it is read, and
 the tensor file, itself a zip archive that torch's reader inflates record by record, must pass the
@@ -22,8 +26,8 @@ from __future__ import annotations
 
 import io
 import os
-import zipfile
 from collections.abc import Mapping
+from typing import BinaryIO
 from typing import Annotated
 
 import torch
@@ -35,9 +39,14 @@ from offgraph_export.specs.archive import (
     UNREADABLE_MEMBER,
     WEIGHT_FILE,
     WEIGHTS_DIR,
+    ArchiveMember,
     archive_root,
-    check_archive,
     check_layout,
+    checked_members,
+    is_weight_member,
+    read_member,
+    regular_file,
+    verify_member,
 )
 from offgraph_export.specs.limits import MAX_JSON_BYTES, MAX_TENSOR_FILE_OVERHEAD, loads_limited
 
@@ -80,11 +89,11 @@ class _Config(RootModel[dict[str, list[object]]]):
     pass
 
 
-def _read_config(archive: zipfile.ZipFile, entry: str, source: str) -> dict[str, WeightView]:
-    info = archive.getinfo(entry)
-    if info.file_size > MAX_JSON_BYTES:
-        raise ArtifactError(f"{source}: {entry} is {info.file_size} bytes; more than {MAX_JSON_BYTES}")
-    data = loads_limited(archive.read(entry), f"{source}: {entry}", ArtifactError)
+def _read_config(archive: BinaryIO, member: ArchiveMember, source: str) -> dict[str, WeightView]:
+    entry = member.name
+    if member.size > MAX_JSON_BYTES:
+        raise ArtifactError(f"{source}: {entry} is {member.size} bytes; more than {MAX_JSON_BYTES}")
+    data = loads_limited(read_member(archive, member, source), f"{source}: {entry}", ArtifactError)
     try:
         raw = _Config.model_validate(data).root
         views = {}
@@ -132,25 +141,24 @@ def _needed_bytes(
     return needed
 
 
-def _check_tensor_file_size(archive: zipfile.ZipFile, entry: str, needed: int, source: str) -> int:
-    """The most weight file ``entry`` may hold (``needed`` plus a tensor file's own overhead),
+def _check_tensor_file_size(member: ArchiveMember, needed: int, source: str) -> int:
+    """The most weight file ``member`` may hold (``needed`` plus a tensor file's own overhead),
     once the size its record declares is within it."""
     bound = needed + MAX_TENSOR_FILE_OVERHEAD
-    declared = archive.getinfo(entry).file_size
-    if declared > bound:
+    if member.size > bound:
         raise ArtifactError(
-            f"{source}: {entry} is {declared} bytes; the views the weights configs take from it reach "
+            f"{source}: {member.name} is {member.size} bytes; the views the weights configs take from it reach "
             f"{needed} bytes, so its file holds at most {bound}"
         )
     return bound
 
 
-def _read_tensor_file(archive: zipfile.ZipFile, entry: str, bound: int, source: str) -> bytes:
-    """The bytes of weight file ``entry``, a zip archive itself, once it is in the one canonical
-    layout with its records declaring no more than ``bound`` (torch's reader allocates and inflates
-    each record as declared)."""
-    data = archive.read(entry)
-    check_layout(io.BytesIO(data), f"{source}: {entry}", kind="tensor file", max_total=bound)
+def _read_tensor_file(archive: BinaryIO, member: ArchiveMember, bound: int, source: str) -> bytes:
+    """The bytes of weight file ``member``, read once and their CRC-32 verified as they are read,
+    a zip archive itself, once it is in the one canonical layout with its records declaring no
+    more than ``bound`` (torch's reader allocates and inflates each record as declared)."""
+    data = read_member(archive, member, source)
+    check_layout(io.BytesIO(data), f"{source}: {member.name}", kind="tensor file", max_total=bound)
     return data
 
 
@@ -164,40 +172,43 @@ def load_method_weights(
     ``constants``: each method's compiled constants description (its ``offgraph_constants``
     metadata), which sizes each view by its dtype; without it views are sized by the widest."""
     source = str(path)
-    check_archive(path, verify_crc=False)
     try:
-        with zipfile.ZipFile(path) as archive:
-            names = archive.namelist()
-            root = archive_root(names, source)
+        with open(regular_file(path), "rb") as archive:
+            members = {member.name: member for member in checked_members(archive, source)}
+            root = archive_root(list(members), source)
             configs = {}
             for method in methods:
                 entry = f"{root}{AOTI_DIR}{method}/weights_config.json"
-                if entry not in names:
+                if entry not in members:
                     raise ArtifactError(
                         f"{source}: method {method!r} has no weights config ({entry}); re-export it "
                         "with this version of offgraph-export"
                     )
-                configs[method] = _read_config(archive, entry, source)
+                configs[method] = _read_config(archive, members[entry], source)
             bounds: dict[str, int] = {}  # every file named and sized before any is read
             for file, needed in _needed_bytes(configs, constants, source).items():
                 entry = f"{root}{WEIGHTS_DIR}{file}"
-                if entry not in names:
+                if entry not in members:
                     raise ArtifactError(f"{source}: a weights config names {file!r}, which the archive lacks")
-                bounds[file] = _check_tensor_file_size(archive, entry, needed, source)
+                bounds[file] = _check_tensor_file_size(members[entry], needed, source)
+            # a weight file no config names is never loaded; its checksum is still this reader's
+            for name, member in members.items():
+                if is_weight_member(name) and name[len(root) + len(WEIGHTS_DIR):] not in bounds:
+                    verify_member(archive, member, source)
             files: dict[str, torch.Tensor] = {}
             for views in configs.values():
                 for view in views.values():
                     if view.file in files:
                         continue
-                    entry = f"{root}{WEIGHTS_DIR}{view.file}"
-                    data = _read_tensor_file(archive, entry, bounds[view.file], source)
+                    member = members[f"{root}{WEIGHTS_DIR}{view.file}"]
+                    data = _read_tensor_file(archive, member, bounds[view.file], source)
                     try:
                         loaded = torch.load(io.BytesIO(data), map_location=device, weights_only=True)
                     except Exception as exc:  # a bad pickle raises UnpicklingError, others
-                        raise ArtifactError(f"{source}: {entry} is not a readable tensor file: {exc}") from exc
+                        raise ArtifactError(f"{source}: {member.name} is not a readable tensor file: {exc}") from exc
                     del data
                     if not isinstance(loaded, torch.Tensor):
-                        raise ArtifactError(f"{source}: {entry} holds a {type(loaded).__name__}, not a tensor")
+                        raise ArtifactError(f"{source}: {member.name} holds a {type(loaded).__name__}, not a tensor")
                     files[view.file] = loaded
     except ArtifactError:
         raise

@@ -5,8 +5,10 @@ plain relative path inside the package's one root folder (no absolute path, no d
 after normalization, no backslash, no NUL, no empty or ``.`` segment), it must be a regular file (no
 symbolic link or other special file, and no directory entry, whether named with a trailing ``/`` or
 marked as one by its attributes), names must be unique, and with ``verify_crc`` every member is read
-and its CRC-32 compared with the directory's. A bad archive is refused with an
-:class:`ArtifactError` naming the entry. Nothing here imports torch.
+and its CRC-32 compared with the directory's (or every member but the weight files, which the
+loader verifies over the very bytes it loads, :func:`read_member`: a load reads each of their bytes
+once). A bad archive is refused with an :class:`ArtifactError` naming the entry. Nothing here
+imports torch.
 
 Directory entries are refused rather than skipped: a package needs none (folders are implied by the
 files' names; neither torch's writer nor this project writes one, and this project extracts nothing),
@@ -42,6 +44,7 @@ chunk past its declared size.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import posixpath
 import re
@@ -50,6 +53,7 @@ import struct
 import zipfile
 import zlib
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -70,6 +74,10 @@ __all__ = [
     "AOTI_DIR",
     "WEIGHT_FILE",
     "check_archive",
+    "checked_members",
+    "read_member",
+    "verify_member",
+    "is_weight_member",
     "check_package_stem",
     "archive_root",
     "regular_file",
@@ -534,21 +542,26 @@ def _agree(members: list[ArchiveMember], infos: list[zipfile.ZipInfo], source: s
         )
 
 
-def _verify(file: BinaryIO, member: ArchiveMember, source: str) -> None:
-    """Read ``member``'s data in chunks and compare its CRC-32; a deflated one is inflated at most
-    one chunk past its declared size, so no member costs more than it declares."""
+def _data(file: BinaryIO, member: ArchiveMember, source: str, read_size: int = _CHUNK) -> Iterator[bytes]:
+    """``member``'s data in chunks (of ``read_size`` stored bytes), from the offsets
+    :func:`check_layout` checked, its CRC-32 computed over the very bytes handed out; after the
+    last chunk, :class:`ArtifactError` unless they are what the directory declares (CRC-32 and
+    size). A deflated member is inflated at most one chunk past its declared size, so no member
+    costs more than it declares. Each read seeks first, so the caller may use ``file`` between
+    chunks."""
     label = f"{source}: archive entry {member.name!r}"
-    file.seek(member.data_offset)
-    crc, produced, left = 0, 0, member.compressed_size
+    offset, crc, produced, left = member.data_offset, 0, 0, member.compressed_size
     inflater = zlib.decompressobj(-zlib.MAX_WBITS) if member.method == _DEFLATED else None
     while inflater is None or not inflater.eof:
         if inflater is not None and inflater.unconsumed_tail:
             chunk = inflater.unconsumed_tail
         elif left:
-            chunk = file.read(min(_CHUNK, left))
+            file.seek(offset)
+            chunk = file.read(min(read_size, left))
             if not chunk:
                 raise ArtifactError(f"{label} ends {left} bytes early: the file shrank while it was read")
             left -= len(chunk)
+            offset += len(chunk)
         elif inflater is None:
             break
         else:
@@ -558,6 +571,8 @@ def _verify(file: BinaryIO, member: ArchiveMember, source: str) -> None:
         if produced > member.size:
             raise ArtifactError(f"{label} inflates past its declared {member.size} bytes; refusing to load it")
         crc = zlib.crc32(out, crc)
+        if out:
+            yield out
         if inflater is not None and not chunk and not out:
             break  # no input left and nothing more comes out
     if inflater is not None and (not inflater.eof or inflater.unused_data or left):
@@ -573,57 +588,102 @@ def _verify(file: BinaryIO, member: ArchiveMember, source: str) -> None:
         )
 
 
-def check_archive(path: str | os.PathLike, verify_crc: bool = True) -> list[zipfile.ZipInfo]:
-    """Validate every entry of the archive at ``path`` (see the module docstring); return them.
+def verify_member(file: BinaryIO, member: ArchiveMember, source: str) -> None:
+    """Read ``member`` of the open archive ``file`` in chunks and compare its CRC-32 with the
+    directory's (:class:`ArtifactError` naming it and both values otherwise); nothing is kept."""
+    for _ in _data(file, member, source):
+        pass
 
-    In this order, on one open file: the end records, bounding the entry count and the directory's
-    size (before ``zipfile`` parses the directory); every name and file type as ``zipfile`` reads
-    them; the canonical layout (:func:`check_layout`), compared with ``zipfile``'s reading; and with
-    ``verify_crc`` every member's CRC-32, streamed from the offsets checked."""
-    source = str(path)
-    target = regular_file(path)
+
+def read_member(file: BinaryIO, member: ArchiveMember, source: str) -> bytes:
+    """``member``'s data, read once: its CRC-32 is computed over these bytes as they are read and
+    compared before any is returned (:class:`ArtifactError` naming it and both values otherwise),
+    so a reader needs no checksum pass of its own. ``member`` comes from :func:`checked_members`
+    (or :func:`check_layout`) of the same file; bound its size before calling. A stored member (as
+    torch's writer stores every one) is read in one read and not copied again."""
+    whole = member.compressed_size if member.method == _STORED else _CHUNK
+    return b"".join(_data(file, member, source, whole))  # one chunk: join returns it as it is
+
+
+@contextlib.contextmanager
+def _refusing(source: str) -> Iterator[None]:
+    """An unreadable file or member (OSError, :data:`UNREADABLE_MEMBER`) as one :class:`ArtifactError`
+    naming ``source``; the project's own errors pass as they are."""
     try:
-        with open(target, "rb") as file:
-            size = file.seek(0, os.SEEK_END)
-            end = _read_end(file, size, source, ".pt2 archive")
-            with zipfile.ZipFile(file) as archive:
-                infos = archive.infolist()
-                names = [info.filename for info in infos]
-                for info in infos:
-                    _check_name(info.filename, source)
-                    if _is_directory(info):
-                        raise ArtifactError(
-                            f"{source}: archive entry {info.filename!r} is marked as a directory; a package "
-                            "holds only files; refusing to load it"
-                        )
-                    if _is_special(info):
-                        raise ArtifactError(
-                            f"{source}: archive entry {info.filename!r} is a link or special file; "
-                            "refusing to load it"
-                        )
-                    if info.flag_bits & 0x1:
-                        archive.open(info).close()  # zipfile refuses it: encrypted, password required
-                duplicates = sorted(n for n, count in Counter(names).items() if count > 1)
-                if duplicates:
-                    raise ArtifactError(f"{source}: archive entries {duplicates} appear more than once")
-                root = archive_root(names, source)
-                outside = [n for n in names if not n.startswith(root)]
-                if outside:
-                    raise ArtifactError(
-                        f"{source}: archive entry {outside[0]!r} lies outside the package folder {root!r}"
-                    )
-            members = _read_entries(file, end, source, MAX_ARCHIVE_BYTES)
-            _agree(members, infos, source)
-            if verify_crc:
-                for member in members:
-                    _verify(file, member, source)
+        yield
     except ArtifactError:
         raise
     except OSError as exc:
         raise ArtifactError(f"{source} cannot be read: {exc}") from exc
     except UNREADABLE_MEMBER as exc:
         raise ArtifactError(f"{source} is not a readable .pt2 archive: {type(exc).__name__}: {exc}") from exc
+
+
+def _checked(file: BinaryIO, source: str) -> tuple[list[zipfile.ZipInfo], list[ArchiveMember]]:
+    """Every check of :func:`check_archive` but the checksums, on the open ``file``: ``zipfile``'s
+    entries and this module's reading of them."""
+    size = file.seek(0, os.SEEK_END)
+    end = _read_end(file, size, source, ".pt2 archive")
+    with zipfile.ZipFile(file) as archive:
+        infos = archive.infolist()
+        names = [info.filename for info in infos]
+        for info in infos:
+            _check_name(info.filename, source)
+            if _is_directory(info):
+                raise ArtifactError(
+                    f"{source}: archive entry {info.filename!r} is marked as a directory; a package "
+                    "holds only files; refusing to load it"
+                )
+            if _is_special(info):
+                raise ArtifactError(
+                    f"{source}: archive entry {info.filename!r} is a link or special file; "
+                    "refusing to load it"
+                )
+            if info.flag_bits & 0x1:
+                archive.open(info).close()  # zipfile refuses it: encrypted, password required
+        duplicates = sorted(n for n, count in Counter(names).items() if count > 1)
+        if duplicates:
+            raise ArtifactError(f"{source}: archive entries {duplicates} appear more than once")
+        root = archive_root(names, source)
+        outside = [n for n in names if not n.startswith(root)]
+        if outside:
+            raise ArtifactError(
+                f"{source}: archive entry {outside[0]!r} lies outside the package folder {root!r}"
+            )
+    members = _read_entries(file, end, source, MAX_ARCHIVE_BYTES)
+    _agree(members, infos, source)
+    return infos, members
+
+
+def check_archive(
+    path: str | os.PathLike, verify_crc: bool = True, defer_weights: bool = False
+) -> list[zipfile.ZipInfo]:
+    """Validate every entry of the archive at ``path`` (see the module docstring); return them.
+
+    In this order, on one open file: the end records, bounding the entry count and the directory's
+    size (before ``zipfile`` parses the directory); every name and file type as ``zipfile`` reads
+    them; the canonical layout (:func:`check_layout`), compared with ``zipfile``'s reading; and with
+    ``verify_crc`` every member's CRC-32, streamed from the offsets checked. ``defer_weights``
+    leaves out the weight files' (:func:`is_weight_member`, nearly all of a package's bytes): the
+    loader verifies each over the bytes it loads (:func:`read_member`), so a load reads them once,
+    not once here and again there."""
+    source = str(path)
+    target = regular_file(path)
+    with _refusing(source), open(target, "rb") as file:
+        infos, members = _checked(file, source)
+        if verify_crc:
+            for member in members:
+                if not (defer_weights and is_weight_member(member.name)):
+                    verify_member(file, member, source)
     return infos
+
+
+def checked_members(file: BinaryIO, source: str) -> list[ArchiveMember]:
+    """The entries of the open archive ``file`` once they pass every check of :func:`check_archive`
+    but the checksums, for a reader that verifies each member it reads as it reads it
+    (:func:`read_member`)."""
+    with _refusing(source):
+        return _checked(file, source)[1]
 
 
 #: Entries a package of this project holds besides its methods' folders, relative to the root.
@@ -638,6 +698,13 @@ AOTI_DIR = "data/aotinductor/"
 WEIGHT_FILE = r"weight_[0-9]{1,9}"
 _WEIGHT_ENTRY = re.compile(re.escape(WEIGHTS_DIR) + WEIGHT_FILE)
 _METHOD_ENTRY = re.compile(re.escape(AOTI_DIR) + r"([A-Za-z0-9_]+)/[A-Za-z0-9_.\-]+")
+_WEIGHT_MEMBER = re.compile(r"[^/]+/" + _WEIGHT_ENTRY.pattern)
+
+
+def is_weight_member(name: str) -> bool:
+    """Whether archive entry ``name`` is a weight file, ``<root>/data/weights/weight_<n>`` (of an
+    archive whose names passed :func:`check_archive`: every name lies in its one root folder)."""
+    return _WEIGHT_MEMBER.fullmatch(name) is not None
 
 
 #: Files of a method's folder that only serve to build its library from source: torch's loader
