@@ -64,12 +64,13 @@ def dynamic_dim(lo: int, hi: int | None) -> object:
     return Dim.DYNAMIC(min=lo, max=hi) if hi is not None else Dim.DYNAMIC(min=lo)
 
 
-def decompose(ep: ExportedProgram) -> ExportedProgram:
+def decompose(ep: ExportedProgram, table: "dict | None" = None) -> ExportedProgram:
     """``run_decompositions`` that also decomposes ``triton_op`` custom ops into their kernels
-    (where torch can), so AOTInductor compiles the kernels instead of calling the op by name."""
+    (where torch can), so AOTInductor compiles the kernels instead of calling the op by name;
+    ``table``: further ops to decompose (op overload -> its aten form)."""
     if DECOMPOSES_TRITON_OPS:
-        return ep.run_decompositions({}, decompose_custom_triton_ops=True)
-    return ep.run_decompositions({})
+        return ep.run_decompositions(dict(table or {}), decompose_custom_triton_ops=True)
+    return ep.run_decompositions(dict(table or {}))
 
 
 

@@ -20,6 +20,7 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from offgraph_export.errors import ExportError
+from offgraph_export.specs.quantization import DEFAULT_GROUP_SIZE, GROUP_SIZES, QUANT_SCHEMES
 
 __all__ = [
     "FORMATS",
@@ -28,6 +29,8 @@ __all__ = [
     "BACKENDS",
     "BACKEND_DEVICE",
     "AUTOTUNE_CHOICES",
+    "QUANTIZE_CHOICES",
+    "GROUP_SIZES",
     "OptionError",
     "ExportOptions",
     "ResolvedOptions",
@@ -59,6 +62,12 @@ Autotune = Literal["none", "decode", "all"]
 #: ``max_autotune`` values: which methods' GEMMs inductor tunes by benchmarking candidates on the
 #: device at compile time (slower compile, faster small-batch GEMMs).
 AUTOTUNE_CHOICES: tuple[str, ...] = get_args(Autotune)
+
+Quantize = Literal["none", "int8", "int4"]
+#: ``--quantize`` values: float weights, or every linear's weight stored as int8 / int4 (design
+#: section 11; the schemes are ``specs/quantization.py``'s)
+QUANTIZE_CHOICES: tuple[str, ...] = get_args(Quantize)
+assert QUANTIZE_CHOICES[1:] == QUANT_SCHEMES
 
 _DEVICE = re.compile(r"cpu|cuda(:[0-9]{1,4})?")
 
@@ -125,6 +134,8 @@ _FLAGS = {
     "decode_gemv": "--decode-gemv",
     "decode_rope": "--decode-rope",
     "decode_sessions": "--decode-sessions",
+    "quantize": "--quantize",
+    "group_size": "--group-size",
 }
 
 
@@ -145,6 +156,10 @@ class ResolvedOptions(BaseModel):
     decode_rope: bool
     #: a batched artifact's method for decode-only steps (``passes/decode_sessions.py``)
     decode_sessions: bool = False
+    #: weight-only quantization of every linear (``passes/quantize_weights.py``)
+    quantize: Quantize = "none"
+    #: int4's input features per scale and zero (None unless ``quantize == "int4"``)
+    group_size: int | None = None
 
     @property
     def export_device(self) -> str:
@@ -155,20 +170,27 @@ class ResolvedOptions(BaseModel):
     def record(self) -> dict[str, bool | int | str]:
         """The options the specs record (``ArtifactSpecs.options``, shown by ``inspect``)."""
         return pass_record(
-            self.fuse_projections, self.decode_method, self.decode_gemv, self.decode_rope, self.decode_sessions
+            self.fuse_projections, self.decode_method, self.decode_gemv, self.decode_rope, self.decode_sessions,
+            self.quantize, self.group_size,
         ) | lowering_record(self.format, self.max_autotune)
 
 
 def pass_record(
     fuse: bool, decode_method: bool, decode_gemv: bool, decode_rope: bool, decode_sessions: bool = False,
+    quantize: str = "none", group_size: int | None = None,
 ) -> dict[str, bool | int | str]:
     """The part of the specs' options the passes decide: the fold flags only where there is a
-    decode method to fold into; ``decode_sessions`` only where it is on (a batched artifact's)."""
+    decode method to fold into; ``decode_sessions`` only where it is on (a batched artifact's);
+    ``quantize`` (and int4's ``group_size``) only where weights are quantized."""
     out: dict[str, bool | int | str] = {"fuse_projections": fuse}
     if decode_method:
         out |= {"decode_gemv": decode_gemv, "decode_rope": decode_rope}
     if decode_sessions:
         out["decode_sessions"] = True
+    if quantize != "none":
+        out["quantize"] = quantize
+        if group_size is not None:
+            out["group_size"] = group_size
     return out
 
 
@@ -192,6 +214,8 @@ class ExportOptions(BaseModel):
     decode_gemv: bool | None = None
     decode_rope: bool | None = None
     decode_sessions: bool | None = None
+    quantize: Quantize = "none"
+    group_size: int | None = None
 
     @classmethod
     def parse(cls, **fields: Any) -> "ExportOptions":
@@ -267,6 +291,7 @@ class ExportOptions(BaseModel):
             self.decode_sessions if self.decode_sessions is not None
             else bool(batched) and pt2 and default_decode_sessions(step_impl)
         )
+        group_size = self._group_size(pt2)
         if max_write is not None and max_write < 2:  # a width range [1, 1] is a constant to torch.export
             raise OptionError(f"max_write {max_write} is too small: a step's token width must range over at least [1, 2]", "--max-write")
         return ResolvedOptions(
@@ -280,4 +305,25 @@ class ExportOptions(BaseModel):
             decode_gemv=self.decode_gemv if self.decode_gemv is not None else gemv_ok,
             decode_rope=self.decode_rope if self.decode_rope is not None else rope_ok,
             decode_sessions=decode_sessions,
+            quantize=self.quantize,
+            group_size=group_size,
         )
+
+    def _group_size(self, pt2: bool) -> int | None:
+        """int4's group size (its default where not given); refuses one without int4, and
+        quantization of a ``.pte`` (design section 11)."""
+        if self.quantize != "none" and not pt2:
+            raise OptionError(
+                f"--quantize {self.quantize} is weight-only quantization for a .pt2; ExecuTorch's XNNPACK computes "
+                "weight-only programs wrongly, so a .pte takes no --quantize (drop it or use --format pt2)",
+                "--quantize",
+            )
+        if self.quantize != "int4":
+            if self.group_size is not None:
+                raise OptionError(f"--group-size {self.group_size} applies to --quantize int4 only", "--group-size")
+            return None
+        if self.group_size is None:
+            return DEFAULT_GROUP_SIZE
+        if self.group_size not in GROUP_SIZES:
+            raise OptionError(f"--group-size {self.group_size} is not one of {', '.join(map(str, GROUP_SIZES))}", "--group-size")
+        return self.group_size

@@ -32,9 +32,10 @@ from offgraph_export.passes.decode_gemv import decode_gemv as decode_gemv_pass
 from offgraph_export.passes.decode_rope import decode_rope as decode_rope_pass
 from offgraph_export.passes.decode_sessions import decode_sessions as decode_sessions_pass
 from offgraph_export.passes.functionalize import functionalize
-from offgraph_export.passes.fuse_projections import fuse_projections
+from offgraph_export.passes.fuse_projections import fuse_projections, fused_weight_name
 from offgraph_export.passes.graph_utils import describe_inputs, output_width_dims, user_input_nodes
 from offgraph_export.passes.record_positions import record_positions
+from offgraph_export.passes.quantize_weights import quantize_weights
 from offgraph_export.passes.record_step_width import record_step_width
 from offgraph_export.passes.result import PassResult
 from offgraph_export.passes.split_to_slices import split_to_slices
@@ -44,6 +45,7 @@ from offgraph_export.passes.validate import validate_kv_sites
 from offgraph_export.specs.artifact import DECODE_METHOD, SESSIONS_METHOD, STEP_METHOD, ArtifactSpecs, SymbolRange
 from offgraph_export.specs.cache_config import CacheConfig
 from offgraph_export.specs.manifest import CacheManifest
+from offgraph_export.specs.quantization import QuantizationSpec
 from offgraph_export.specs.step_width import StepWidthSpec
 
 __all__ = [
@@ -79,6 +81,8 @@ class StrippedProgram:
     decode: ExportedProgram | None = None
     #: a batched program's sessions method (decode steps of several sessions), when asked for
     sessions: ExportedProgram | None = None
+    #: the quantized weights (design section 11), when asked for and the program has linears
+    quantization: QuantizationSpec | None = None
 
     @property
     def programs(self) -> dict[str, ExportedProgram]:
@@ -114,6 +118,7 @@ class StrippedProgram:
             options={**self.options, **(options or {})},
             decode_method=self.decode is not None,
             sessions_method=self.sessions is not None,
+            quantization=self.quantization,
             output_width_dims=output_width_dims(self.stripped, width_symbol),
             **model_info,
         )
@@ -170,9 +175,12 @@ def run_passes(
     decode_gemv: bool = False,
     decode_rope: bool = False,
     decode_sessions: bool = False,
+    quantize: str = "none",
+    group_size: int | None = None,
 ) -> StrippedProgram:
     """validate -> record step width -> record positions -> bound table indices -> fuse
-    projections (``fuse``) -> build manifest -> strip -> functionalize [and, from the stripped
+    projections (``fuse``) -> quantize weights (``quantize``: ``int8`` or ``int4`` with
+    ``group_size``) -> build manifest -> strip -> functionalize [and, from the stripped
     program, specialize width -> GEMV projections (``decode_gemv``) -> rotary embedding into the
     attention kernel (``decode_rope``) -> functionalize: the decode
     method (``decode_method``)] [and, for a batched program, re-trace -> one row per session ->
@@ -187,6 +195,9 @@ def run_passes(
         ("record_positions", record_positions),
         ("bound_table_indices", bound_table_indices),
         *([("fuse_projections", lambda p: fuse_projections(p, example_inputs))] if fuse else []),
+        *([("quantize_weights", lambda p: quantize_weights(
+            p, example_inputs, quantize, group_size, _fused_sources(results.get("fuse_projections"))))]
+          if quantize != "none" else []),
         ("build_manifest", lambda p: build_manifest(p, cache_config)),
         (
             "strip_kv_cache",
@@ -231,23 +242,30 @@ def run_passes(
         step_impl=step_impl_name(step_impl),
         positions_input=results["record_positions"].produced,
         index_bounds=results["bound_table_indices"].produced,
-        options=pass_record(fuse, decode_method, decode_gemv, decode_rope, decode_sessions),
+        options=pass_record(fuse, decode_method, decode_gemv, decode_rope, decode_sessions, quantize, group_size),
         pass_results=results,
         decode=decode,
         sessions=sessions,
+        quantization=results["quantize_weights"].produced if "quantize_weights" in results else None,
     )
+
+
+def _fused_sources(fused: PassResult[list[list[str]]] | None) -> dict[str, list[str]]:
+    """Each fused weight's name and the model parameters it was made of, in row order."""
+    return {fused_weight_name(i): names for i, names in enumerate(fused.produced)} if fused else {}
 
 
 def lower(
     program: StrippedProgram, path: str | Path, device: str = "cpu", format: str = "pt2",
     executorch_backend: str | None = None, max_autotune: str = "none",
-    progress: Progress = _noop, **model_info,
+    progress: Progress = _noop, method_seconds: dict[str, float] | None = None, **model_info,
 ) -> Path:
     """``format``: ``pt2`` (AOTInductor package with a method per program) or ``executorch``
     (``.pte`` lowered with ``executorch_backend``, by default ``xnnpack`` on cpu and ``cuda`` on
     cuda, the program exported on cpu). ``max_autotune``: one of ``AUTOTUNE_CHOICES`` (pt2),
-    recorded in the specs. The options are checked by :meth:`ExportOptions.resolve` against the
-    program (its decode method, its ``max_write``). ``model_info``: ``model``, ``model_args``,
+    recorded in the specs. ``method_seconds``: filled with each pt2 method's compile time by name
+    (:func:`~offgraph_export.lowering.aoti.compile_package`). The options are checked by
+    :meth:`ExportOptions.resolve` against the program (its decode method, its ``max_write``). ``model_info``: ``model``, ``model_args``,
     ``model_dtype`` recorded for check/run. For the executorch ``cuda`` backend
     ``program.stripped`` is first rewritten in place by ``split_to_slices`` (same values; a second
     lowering finds nothing left to rewrite)."""
@@ -258,7 +276,7 @@ def lower(
     ).resolve(program.manifest.max_write, batched=program.manifest.paging is not None)
     if format == "pt2":
         specs = program.artifact_specs(device, options=lowering_record(format, options.max_autotune), **model_info)
-        return compile_package(program.programs, path, specs, progress)
+        return compile_package(program.programs, path, specs, progress, method_seconds)
     from offgraph_export.lowering.executorch import compile_pte
 
     specs = program.artifact_specs(device, **model_info)
@@ -290,7 +308,10 @@ def export_and_lower(
     model_dtype: str | None = None,
     **option_fields: Any,
 ) -> tuple[Path, StrippedProgram, dict[str, float]]:
-    """Export, run the passes and lower ``bundle`` to ``path``; returns timings in seconds. The
+    """Export, run the passes and lower ``bundle`` to ``path``; returns timings in seconds:
+    ``export_s``, ``passes_s``, ``compile_s`` (the whole lowering) and, for a ``.pt2``,
+    ``compile_<method>_s`` per method (within ``compile_s``); ``progress`` is told each as its
+    stage finishes, so a long export shows where its time goes while it runs. The
     model is exported for inference: its parameters stop requiring grad. ``options`` (or, for
     short, its fields as keywords: ``device="cuda"``) are resolved by
     :meth:`ExportOptions.resolve` (per-device defaults, every compatibility rule) before anything
@@ -308,19 +329,24 @@ def export_and_lower(
     t0 = time.perf_counter()
     ep = export_model(module, inputs, bundle.token_dims, bundle.cache_config.max_write)
     timings["export_s"] = time.perf_counter() - t0
+    progress(f"exported in {timings['export_s']:.1f}s")
     progress(f"running passes (step impl: {resolved.step_impl})")
     t0 = time.perf_counter()
     program = run_passes(
         ep, inputs, bundle.cache_config, resolved.step_impl, fuse=resolved.fuse_projections,
         decode_method=resolved.decode_method, decode_gemv=resolved.decode_gemv, decode_rope=resolved.decode_rope,
-        decode_sessions=resolved.decode_sessions,
+        decode_sessions=resolved.decode_sessions, quantize=resolved.quantize, group_size=resolved.group_size,
     )
     timings["passes_s"] = time.perf_counter() - t0
+    progress(f"passes done in {timings['passes_s']:.1f}s")
     progress(f"compiling ({resolved.format}) for {resolved.device} (tens of seconds per method)")
     t0 = time.perf_counter()
+    method_seconds: dict[str, float] = {}
     out = lower(
         program, path, resolved.device, format=resolved.format, executorch_backend=resolved.executorch_backend,
-        max_autotune=resolved.max_autotune, progress=progress, **model_info,
+        max_autotune=resolved.max_autotune, progress=progress, method_seconds=method_seconds, **model_info,
     )
     timings["compile_s"] = time.perf_counter() - t0
+    timings.update({f"compile_{method}_s": seconds for method, seconds in method_seconds.items()})
+    progress(f"compiled in {timings['compile_s']:.1f}s")
     return out, program, timings

@@ -39,11 +39,17 @@ def example_factory() -> str:
 
 
 @pytest.fixture(scope="session")
-def example_artifact(tmp_path_factory) -> Path:
-    """The bundled example (layer 0 flat, layer 1 ring of 16), exported through the CLI for cpu."""
+def example_export(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The bundled example (layer 0 flat, layer 1 ring of 16) exported through the CLI for cpu with
+    ``--json``: the artifact's path and what ``export`` printed (its summary, its progress lines)."""
     out = tmp_path_factory.mktemp("artifacts") / "tiny.pt2"
-    cli("export", EXAMPLE, "-o", str(out))
-    return out
+    return out, cli("export", EXAMPLE, "-o", str(out), "--json")
+
+
+@pytest.fixture(scope="session")
+def example_artifact(example_export) -> Path:
+    """The bundled example's artifact (:func:`example_export`)."""
+    return example_export[0]
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,9 @@ import click
 
 from offgraph_export.cli import verdict
 from offgraph_export.errors import OffgraphError
-from offgraph_export.options import AUTOTUNE_CHOICES, BACKENDS, DEVICES, FORMATS, STEP_IMPLS, ExportOptions, OptionError
+from offgraph_export.options import (
+    AUTOTUNE_CHOICES, BACKENDS, DEVICES, FORMATS, GROUP_SIZES, QUANTIZE_CHOICES, STEP_IMPLS, ExportOptions, OptionError,
+)
 from offgraph_export.specs.manifest import StorageDtype
 from offgraph_export.specs.text import safe_text
 
@@ -217,9 +219,11 @@ def cli(debug: bool) -> None:
 @click.option("--decode-gemv/--no-decode-gemv", "decode_gemv", default=None, help="In the decode method, run projections of at most 8192 outputs with the Triton GEMV kernel instead of the compiler's GEMM, folding in the RMSNorm before them, the SiLU·mul after a fused gate|up projection and the residual add after them (default: on wherever there is a cuda decode method).")
 @click.option("--decode-rope/--no-decode-rope", "decode_rope", default=None, help="In the decode method, rotate the query and new key inside the one-token attention kernel instead of a rotary-embedding kernel per layer (Llama-family eager rotary form; default: on for the cuda decode method with the triton step).")
 @click.option("--decode-sessions/--no-decode-sessions", "decode_sessions", default=None, help="With --max-sessions: also compile the sessions method, which runs every decode-only step of several sessions (one token each) with the row writes and rotary embedding inside the attention kernel and no q/k/v copies (docs/design.md section 10; default: on with the triton step, off with the portable one, where it computes the same thing; pt2 only).")
+@click.option("--quantize", type=click.Choice(QUANTIZE_CHOICES), default="none", show_default=True, help="Store every linear's weight (projections and lm_head; not the embedding table) quantized from the float weights at export, no data needed: int8 per output channel, or int4 in groups of --group-size input features (docs/design.md section 11). Weight-only: activations and the K/V cache keep the model's dtype. pt2 only.")
+@click.option("--group-size", type=click.Choice([str(g) for g in GROUP_SIZES]), help="With --quantize int4: input features per scale and zero (default 128).")
 @click.option("-a", "--arg", "factory_args", multiple=True, metavar="NAME=VALUE", help="Keyword argument for the model factory (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
-def export(model_factory, output, device, max_capacity, initial_capacity, max_write, dtype, rings, all_flat, max_sessions, page_size, pool_pages, step_impl, fmt, executorch_backend, fuse, decode_method, max_autotune, decode_gemv, decode_rope, decode_sessions, factory_args, as_json):
+def export(model_factory, output, device, max_capacity, initial_capacity, max_write, dtype, rings, all_flat, max_sessions, page_size, pool_pages, step_impl, fmt, executorch_backend, fuse, decode_method, max_autotune, decode_gemv, decode_rope, decode_sessions, quantize, group_size, factory_args, as_json):
     """Export MODEL_FACTORY to a .pt2 artifact.
 
     MODEL_FACTORY is hf:DIR (a transformers checkpoint), gguf:FILE.gguf (a GGUF file, dequantized;
@@ -234,6 +238,7 @@ def export(model_factory, output, device, max_capacity, initial_capacity, max_wr
             format=fmt, device=device, executorch_backend=executorch_backend, step_impl=step_impl,
             fuse_projections=fuse, decode_method=decode_method, max_autotune=max_autotune,
             decode_gemv=decode_gemv, decode_rope=decode_rope, decode_sessions=decode_sessions,
+            quantize=quantize, group_size=int(group_size) if group_size else None,
         )
         options.resolve(batched=max_sessions is not None)
     except OptionError as exc:
@@ -246,18 +251,24 @@ def export(model_factory, output, device, max_capacity, initial_capacity, max_wr
     from offgraph_export.pipeline import export_and_lower
 
     args = parse_factory_args(factory_args)
-    _say(f"building {model_factory}")
+    started = time.perf_counter()
+
+    def progress(message: str) -> None:  # each stage's start and, as it finishes, its time
+        _say(f"[{time.perf_counter() - started:6.1f}s] {message}")
+
+    progress(f"building {model_factory}")
     bundle = cast_bundle(load_bundle(model_factory, **args), dtype)
+    build_s = time.perf_counter() - started  # reading a large checkpoint is a stage of its own
+    progress(f"built in {build_s:.1f}s")
     config = bundle.cache_config.with_overrides(
         max_capacity=max_capacity, initial_capacity=initial_capacity, max_write=max_write,
         rings=rings, all_flat=all_flat, max_sessions=max_sessions, page_size=page_size, pool_pages=pool_pages,
     )
-    started = time.perf_counter()
     path, program, timings = export_and_lower(
-        replace(bundle, cache_config=config), output, options,
-        progress=lambda m: _say(f"[{time.perf_counter() - started:6.1f}s] {m}"),
+        replace(bundle, cache_config=config), output, options, progress=progress,
         model=canonical_reference(model_factory), model_args=args, model_dtype=dtype,
     )
+    timings = {"build_s": build_s, **timings}
     size = path.stat().st_size
     summary = {
         "artifact": str(path), "device": device, "step_impl": program.step_impl,
@@ -269,9 +280,17 @@ def export(model_factory, output, device, max_capacity, initial_capacity, max_wr
     else:
         _say(
             f"wrote {path} ({size / 1e6:.1f} MB): step width {summary['step_width']}, "
-            f"{summary['layers']} layers; export {timings['export_s']:.1f}s, passes "
+            f"{summary['layers']} layers; build {build_s:.1f}s, export {timings['export_s']:.1f}s, passes "
             f"{timings['passes_s']:.1f}s, compile {timings['compile_s']:.1f}s"
         )
+
+
+def _quantization_line(q) -> str:
+    """What ``inspect`` says of quantized weights (design section 11)."""
+    group = f" in groups of {q.group_size}" if q.group_size else " per output channel"
+    shared = sum(w.shared for w in q.weights)
+    tied = f"; {shared} also read as float (tied)" if shared else ""
+    return f"weights       {q.scheme}{group}: {len(q.weights)} linear weights from {sum(len(w.sources) for w in q.weights)} model weights{tied}"
 
 
 def _one_token_steps(specs, artifact: str) -> str:
@@ -319,6 +338,7 @@ def inspect(artifact, as_json):
         + ("  (decode: width 1, static shapes)" if specs.decode_method else _one_token_steps(specs, artifact))
         + ("  (sessions: decode steps of several sessions, one row each)" if specs.sessions_method else ""),
         f"options       {', '.join(f'{k}={v}' for k, v in specs.options.items()) or '-'}",
+        *([_quantization_line(specs.quantization)] if specs.quantization is not None else []),
         "",
         "inputs",
     ]
@@ -389,6 +409,37 @@ def check(artifact, model_factory, recorded_model, steps, prefill_chunks, seed, 
     code = 0 if report.passed else 1
     verdict.completed(code, passed=report.passed)  # the report is out: the last thing the command does
     raise click.exceptions.Exit(code)
+
+
+@cli.command()
+@click.argument("artifact", type=click.Path(dir_okay=False))
+@click.option("--model", "model_factory", metavar="REF", help="The float model to compare with: hf:DIR, gguf:FILE.gguf (gguf:pkg:PACKAGE), FILE.py:FUNCTION or package.module:FUNCTION (it needs a tokenizer).")
+@click.option("--recorded-model", is_flag=True, help="Import the model the artifact records instead (says what it imports).")
+@click.option("--text", "text_file", type=click.Path(exists=True, dir_okay=False), help="A UTF-8 text file to score on (default: the text the package ships, about 480 words of plain English).")
+@click.option("--tokens", default=256, show_default=True, type=click.IntRange(8, 100_000), help="Teacher-forced positions to score (fewer if the text or the artifact's capacity is shorter).")
+@click.option("-a", "--arg", "factory_args", multiple=True, metavar="NAME=VALUE", help="Model argument (default: those recorded at export).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def quality(artifact, model_factory, recorded_model, text_file, tokens, factory_args, as_json):
+    """How far ARTIFACT's logits are from its float model's (docs/design.md section 11).
+
+    Feeds a text teacher-forced through the artifact and through the eager model with its float
+    weights, and reports the largest and mean logit difference, top-1 agreement (how often both
+    pick the same next token) and each one's perplexity on the text. Meant for quantized artifacts
+    (export --quantize), whose `check` compares against their own dequantized weights; a float
+    artifact measures the compiler's error alone. Exits 0 with a report, 2 when it cannot run."""
+    specs = _read_specs(artifact)
+    _check_model_named(artifact, specs, model_factory, recorded_model)
+    from offgraph_export.frontends import load_bundle
+    from offgraph_export.models import cast_bundle
+    from offgraph_export.quality import quality_report
+
+    factory = _model_reference(artifact, specs, model_factory, recorded_model)
+    bundle = cast_bundle(load_bundle(factory, **_model_args(artifact, specs, factory_args)), specs.model_dtype)
+    text = Path(text_file).read_text(encoding="utf-8") if text_file else None
+    _say(safe_text(f"scoring {artifact} against the float {factory} on {specs.device}"))
+    report = quality_report(artifact, bundle, text=text, tokens=tokens)
+    report.model = factory
+    click.echo(json.dumps(report.model_dump(mode="json"), indent=2) if as_json else "\n".join(safe_text(line) for line in report.render().splitlines()))
 
 
 @cli.command()

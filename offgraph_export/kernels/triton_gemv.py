@@ -23,6 +23,13 @@ kernel of a few microseconds over a few KiB. The kernel takes them as options:
   eager rounds it), so the 2x-wide projection output never reaches memory;
 * ``residual`` (epilogue): ``out + residual``, rounded once.
 
+The weight may also come quantized (design section 11): int8 ``[N, K]`` with a scale per row, or
+int4 two a byte ``[N, K / 2]`` with a scale and a zero per ``group_size`` columns. Each value is
+dequantized in registers as the reference rule computes ``W'`` (in fp32, rounded to the output
+dtype), so the kernel reads a quarter or half of the bytes and computes what a float GEMV over
+``W'`` computes; quantized rows always take the per-row-block kernel (no width limit: a quantized
+lm_head has no compiler GEMM that reads its stored form).
+
 One custom op, ``offgraph_lowered::triton_gemv`` (``torch.library.triton_op``), so export keeps one
 node and AOTInductor compiles the kernel into the package. Products are accumulated in fp32.
 """
@@ -63,11 +70,12 @@ _LONG_ROWS = 4096
 _TILE_MAX_K = 2048
 
 
-def _config(k: int, gated: bool = False) -> dict:
+def _config(k: int, gated: bool = False, quantized: bool = False) -> dict:
     """The kernel and its launch parameters for rows of ``k`` columns: ``kernel`` "rows"
     (:func:`_gemv_kernel`: ``BLOCK_N``, ``BLOCK_K``, ``num_warps``) or "tiles"
-    (:func:`_gemv_tiles_kernel`: ``BLOCK_N``, ``per_sm`` programs, ``num_warps``, ``num_stages``)."""
-    if gated and k <= _TILE_MAX_K:
+    (:func:`_gemv_tiles_kernel`: ``BLOCK_N``, ``per_sm`` programs, ``num_warps``, ``num_stages``).
+    Quantized weights take the float configurations of the rows kernel (not yet swept for them)."""
+    if gated and k <= _TILE_MAX_K and not quantized:
         return {"kernel": "tiles", "BLOCK_N": 1, "per_sm": 4, "num_warps": 4, "num_stages": 3}
     if k >= _LONG_ROWS:
         return {"kernel": "rows", "BLOCK_N": 4, "BLOCK_K": 2048, "num_warps": 4}
@@ -82,18 +90,60 @@ def _rms_normed(x, scale, rstd, dt: tl.constexpr):
 
 
 @triton.jit
+def _x_at(x_ptr, norm_ptr, cols, K, rstd, dt: tl.constexpr, NORM: tl.constexpr):
+    """``x`` at ``cols`` (0 past ``K``), RMS-normalized when NORM, as fp32."""
+    ok = cols < K
+    x = tl.load(x_ptr + cols, mask=ok, other=0.0)
+    if NORM:
+        scale = tl.load(norm_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        x = _rms_normed(x, scale, rstd, dt)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _products(w_ptr, s_ptr, z_ptr, w_rows, s_rows, row_ok, k0, K, xa, xb, dt: tl.constexpr,
+              QUANT: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 products of the weight rows at offsets ``w_rows`` (scale rows ``s_rows``) over columns
+    ``[k0, k0 + BLOCK_K)`` with ``x``: ``xa`` those columns (int4: the even ones, ``xb`` the odd
+    ones). A quantized value is dequantized as the reference rule computes ``W'``: in fp32, then
+    rounded to ``dt``."""
+    if QUANT == 4:
+        half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        even = 2 * half
+        ok = row_ok[:, None] & (even < K)[None, :]
+        b = tl.load(w_ptr + w_rows[:, None] + half[None, :], mask=ok, other=0)
+        g = s_rows[:, None] + (even // GROUP)[None, :]
+        s = tl.load(s_ptr + g, mask=ok, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g, mask=ok, other=0.0).to(tl.float32)
+        lo = (((b & 15).to(tl.float32) - 8.0) * s + z).to(dt).to(tl.float32)
+        hi = (((b >> 4).to(tl.float32) - 8.0) * s + z).to(dt).to(tl.float32)
+        return lo * xa[None, :] + hi * xb[None, :]
+    else:
+        cols = k0 + tl.arange(0, BLOCK_K)
+        ok = row_ok[:, None] & (cols < K)[None, :]
+        w = tl.load(w_ptr + w_rows[:, None] + cols[None, :], mask=ok, other=0.0)
+        if QUANT == 8:
+            s = tl.load(s_ptr + s_rows, mask=row_ok, other=0.0).to(tl.float32)
+            w = (w.to(tl.float32) * s[:, None]).to(dt)
+        return w.to(tl.float32) * xa[None, :]
+
+
+@triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, N, K, stride_wn, gate_offset, up_offset, eps,
-    NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, s_ptr, z_ptr, N, K, stride_wn, stride_sn, gate_offset, up_offset, eps,
+    NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC_K: tl.constexpr,
 ):
     """Program p: output features ``[p * BLOCK_N, (p + 1) * BLOCK_N)``, each the dot product of
-    one contiguous weight row (two when GATED) with ``x``, read ``BLOCK_K`` columns at a time.
-    Every intermediate an eager decode layer would store is rounded to the output dtype here."""
+    one contiguous weight row (two when GATED) with ``x``, read ``BLOCK_K`` columns at a time
+    (QUANT 8 or 4: a quantized row, dequantized in registers; ``ACC_K`` the products' width, half
+    ``BLOCK_K`` for int4, whose even and odd columns are summed apart). Every intermediate an eager
+    decode layer would store is rounded to the output dtype here."""
     pid = tl.program_id(0)
     dt = out_ptr.dtype.element_ty
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
+    rstd = 0.0
     if NORM:
         squares = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -101,26 +151,24 @@ def _gemv_kernel(
             xs = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
             squares += xs * xs
         rstd = tl.math.rsqrt(tl.sum(squares, axis=0) / K + eps)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
     if GATED:
-        acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    gate_rows = (rows + gate_offset).to(tl.int64) * stride_wn
-    up_rows = (rows + up_offset).to(tl.int64) * stride_wn
+        acc_up = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
+    gate_rows = (rows + gate_offset).to(tl.int64)
+    up_rows = (rows + up_offset).to(tl.int64)
     for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        col_ok = cols < K
-        mask = row_ok[:, None] & col_ok[None, :]
-        w = tl.load(w_ptr + gate_rows[:, None] + cols[None, :], mask=mask, other=0.0)
+        if QUANT == 4:
+            even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+            xa = _x_at(x_ptr, norm_ptr, even, K, rstd, dt, NORM)
+            xb = _x_at(x_ptr, norm_ptr, even + 1, K, rstd, dt, NORM)
+        else:
+            xa = _x_at(x_ptr, norm_ptr, k0 + tl.arange(0, BLOCK_K), K, rstd, dt, NORM)
+            xb = xa
+        acc += _products(w_ptr, s_ptr, z_ptr, gate_rows * stride_wn, gate_rows * stride_sn, row_ok, k0, K, xa, xb,
+                         dt, QUANT, GROUP, BLOCK_K)
         if GATED:
-            w_up = tl.load(w_ptr + up_rows[:, None] + cols[None, :], mask=mask, other=0.0)
-        x = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
-        if NORM:
-            scale = tl.load(norm_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-            x = _rms_normed(x, scale, rstd, dt)
-        xf = x.to(tl.float32)[None, :]
-        acc += w.to(tl.float32) * xf
-        if GATED:
-            acc_up += w_up.to(tl.float32) * xf
+            acc_up += _products(w_ptr, s_ptr, z_ptr, up_rows * stride_wn, up_rows * stride_sn, row_ok, k0, K, xa, xb,
+                                dt, QUANT, GROUP, BLOCK_K)
     proj = tl.sum(acc, axis=1)
     up = proj
     if GATED:
@@ -180,10 +228,11 @@ def _gemv_tiles_kernel(
         _finish(proj, up, out_ptr, res_ptr, rows, row_ok, GATED, RESIDUAL)
 
 
-def gemv_applies(x_shape, w_shape, gated: bool = False) -> bool:
-    """Whether a linear of input ``x_shape`` and weight ``w_shape`` is a one-row GEMV this kernel
-    takes: static sizes, one row, a 2-D weight of at most :data:`MAX_GEMV_ROWS` output rows
-    (``gated``: twice that, half of them gate rows, an even count)."""
+def gemv_applies(x_shape, w_shape, gated: bool = False, quantized: bool = False) -> bool:
+    """Whether a linear of input ``x_shape`` and (float, dequantized) weight ``w_shape`` is a
+    one-row GEMV this kernel takes: static sizes, one row, a 2-D weight of at most
+    :data:`MAX_GEMV_ROWS` output rows (``gated``: twice that, half of them gate rows, an even
+    count; ``quantized``: any number)."""
     sizes = [*x_shape, *w_shape]
     if not all(isinstance(s, int) for s in sizes) or len(w_shape) != 2 or not x_shape:
         return False
@@ -193,7 +242,7 @@ def gemv_applies(x_shape, w_shape, gated: bool = False) -> bool:
     outputs = w_shape[0] // 2 if gated else w_shape[0]
     if gated and w_shape[0] % 2:
         return False
-    return rows == 1 and x_shape[-1] == w_shape[1] and 0 < outputs <= MAX_GEMV_ROWS
+    return rows == 1 and x_shape[-1] == w_shape[1] and 0 < outputs and (quantized or outputs <= MAX_GEMV_ROWS)
 
 
 def _gemv(
@@ -204,20 +253,37 @@ def _gemv(
     residual: Optional[torch.Tensor] = None,
     gated: bool = False,
     gate_first: bool = True,
+    scales: Optional[torch.Tensor] = None,
+    zeros: Optional[torch.Tensor] = None,
+    group_size: int = 0,
 ) -> torch.Tensor:
-    return gemv_launch(x, w, norm_weight, eps, residual, gated, gate_first)
+    return gemv_launch(x, w, norm_weight, eps, residual, gated, gate_first, scales=scales, zeros=zeros, group_size=group_size)
 
 
 def gemv_launch(x, w, norm_weight=None, eps=0.0, residual=None, gated=False, gate_first=True,
-                config: Optional[dict] = None) -> torch.Tensor:
+                config: Optional[dict] = None, scales=None, zeros=None, group_size: int = 0) -> torch.Tensor:
     """The op's body; ``config`` overrides :func:`_config` (``scripts/sweep_decode_kernels.py``
-    calls this eagerly to sweep launch configurations)."""
-    n, k = int(w.shape[0]), int(w.shape[1])
+    calls this eagerly to sweep launch configurations). With ``scales`` the weight is quantized
+    (design section 11): int8 ``[N, K]`` and scales ``[N]``, or with ``zeros`` and ``group_size``
+    int4 ``[N, K / 2]`` and scales and zeros ``[N, K / group_size]``."""
+    quant = 0 if scales is None else (4 if zeros is not None else 8)
+    n, k = int(w.shape[0]), int(x.shape[-1])
     torch._check(w.stride(1) == 1, lambda: "the weight must be row-major")
-    torch._check(x.shape[-1] == k, lambda: f"x has {x.shape[-1]} features, the weight {k}")
+    torch._check(w.shape[1] * (2 if quant == 4 else 1) == k, lambda: f"x has {k} features, the weight {w.shape[1]}")
+    stride_sn = 0
+    if quant:
+        torch._check(w.dtype == (torch.uint8 if quant == 4 else torch.int8), lambda: f"an int{quant} weight is stored as {w.dtype}")
+        groups = k // group_size if quant == 4 else 1
+        torch._check(quant == 8 or (group_size > 0 and k % group_size == 0), lambda: f"group size {group_size} must divide {k}")
+        torch._check(scales.numel() == n * groups, lambda: f"scales must hold {n} x {groups} values")
+        torch._check(zeros is None or zeros.numel() == n * groups, lambda: f"zeros must hold {n} x {groups} values")
+        scales = scales.contiguous()
+        zeros = zeros.contiguous() if zeros is not None else scales
+        stride_sn = groups
+    out_dtype = scales.dtype if quant else w.dtype
     n_out = n // 2 if gated else n
     flat = x.reshape(k).contiguous()  # the kernel reads x with unit stride
-    out = torch.empty((*x.shape[:-1], n_out), dtype=w.dtype, device=x.device)
+    out = torch.empty((*x.shape[:-1], n_out), dtype=out_dtype, device=x.device)
     norm = flat
     if norm_weight is not None:
         torch._check(norm_weight.shape == (k,), lambda: f"the norm weight must have shape ({k},)")
@@ -229,18 +295,28 @@ def gemv_launch(x, w, norm_weight=None, eps=0.0, residual=None, gated=False, gat
     gate_offset, up_offset = (0, n_out) if gate_first else (n_out, 0)
     if not gated:
         gate_offset = up_offset = 0
-    config = config or _config(k, gated)
-    args = (flat, w, out, norm, res, n_out, k, w.stride(0), gate_offset, up_offset, eps)
+    config = config or _config(k, gated, quantized=bool(quant))
     flags = dict(NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None,
                  BLOCK_N=config["BLOCK_N"], num_warps=config["num_warps"])
     tiles = triton.cdiv(n_out, config["BLOCK_N"])
     if config["kernel"] == "tiles":
+        torch._check(not quant, lambda: "quantized weights take the rows kernel")
         programs = min(tiles, config["per_sm"] * sm_count(x.device))
+        args = (flat, w, out, norm, res, n_out, k, w.stride(0), gate_offset, up_offset, eps)
         torch.library.wrap_triton(_gemv_tiles_kernel)[(programs, 1, 1)](
             *args, BLOCK_K=_pow2_at_least(k), NUM_STAGES=config["num_stages"], **flags,
         )
     else:
-        torch.library.wrap_triton(_gemv_kernel)[(tiles, 1, 1)](*args, BLOCK_K=config["BLOCK_K"], **flags)
+        block_k = config["BLOCK_K"]
+        if quant == 4:
+            block_k = max(block_k, 2 * group_size)  # a chunk holds whole groups' worth of columns
+        s_arg = scales if quant else flat
+        z_arg = zeros if quant else flat
+        args = (flat, w, out, norm, res, s_arg, z_arg, n_out, k, w.stride(0), stride_sn, gate_offset, up_offset, eps)
+        torch.library.wrap_triton(_gemv_kernel)[(tiles, 1, 1)](
+            *args, QUANT=quant, GROUP=max(group_size, 1), BLOCK_K=block_k, ACC_K=block_k // 2 if quant == 4 else block_k,
+            **flags,
+        )
     return out
 
 
@@ -256,10 +332,14 @@ def triton_gemv(
     residual: Optional[torch.Tensor] = None,
     gated: bool = False,
     gate_first: bool = True,
+    scales: Optional[torch.Tensor] = None,
+    zeros: Optional[torch.Tensor] = None,
+    group_size: int = 0,
 ) -> torch.Tensor:
     """``x @ w.T`` for a one-row ``x`` (:func:`gemv_applies`), through the custom op, with the
     optional RMSNorm prologue, gated (``silu(gate) * up``) epilogue and residual add described in
-    the module docstring. ``gate_first``: the gate rows are the first half of ``w``."""
+    the module docstring. ``gate_first``: the gate rows are the first half of ``w``. ``scales``
+    (``zeros``, ``group_size``): ``w`` is quantized (:func:`gemv_launch`)."""
     if _TRITON_IMPORT_ERROR is not None:
         raise ExportError(f"the GEMV kernel needs the 'triton' package: {_TRITON_IMPORT_ERROR}")
-    return _gemv_op(x, w, norm_weight, eps, residual, gated, gate_first)
+    return _gemv_op(x, w, norm_weight, eps, residual, gated, gate_first, scales, zeros, group_size)

@@ -18,6 +18,11 @@ row and whose weight is a row-major cuda parameter or constant into the
   wide;
 * an ``add`` of another tensor of the output's shape and dtype, as the residual epilogue.
 
+A linear whose weight is ``offgraph::dequantize_weight`` of stored constants (a quantized
+weight, design section 11) is taken too, at any width: the GEMV reads the stored form and
+dequantizes in registers (the compiler's kernels would write the float weight out every step),
+and the dequantize node goes once nothing else reads it.
+
 A pattern is folded only when every value inside it has no other user, its dtypes are the ones
 the kernel rounds to, and nothing between its first node and its last writes memory (the rewritten
 node reads its inputs where the last one ran). The kernel then performs the same operations with
@@ -55,12 +60,14 @@ _SIZE_KWARG = {aten.split_with_sizes.default: "split_sizes", aten.split.Tensor: 
 @dataclass(frozen=True)
 class GemvCounts:
     """What :func:`decode_gemv` rewrote: ``linears`` GEMV nodes, of which ``norms`` took their
-    RMSNorm, ``gated`` their SiLU·mul and ``residuals`` their residual add."""
+    RMSNorm, ``gated`` their SiLU·mul, ``residuals`` their residual add and ``quantized`` read a
+    quantized weight's stored form."""
 
     linears: int = 0
     norms: int = 0
     gated: int = 0
     residuals: int = 0
+    quantized: int = 0
 
 
 @dataclass
@@ -68,6 +75,8 @@ class _Site:
     linear: torch.fx.Node
     x: torch.fx.Node
     weight: torch.fx.Node
+    #: a quantized weight's (scales, zeros, group_size); ``weight`` is then its stored ``qweight``
+    quant: Optional[tuple[torch.fx.Node, Optional[torch.fx.Node], int]] = None
     norm: Optional[tuple[torch.fx.Node, float]] = None  # (norm weight, eps)
     gate_first: Optional[bool] = None  # set when the gated epilogue applies
     residual: Optional[torch.fx.Node] = None
@@ -87,6 +96,23 @@ def _cast_source(node: torch.fx.Node, dtype: torch.dtype) -> Optional[torch.fx.N
         ok = len(node.args) == 1 and set(node.kwargs) <= {"dtype"} and node.kwargs.get("dtype") == dtype
     src = node.args[0]
     return src if ok and isinstance(src, torch.fx.Node) else None
+
+
+def _quantized_weight(w: object, weights: set[str]) -> Optional[tuple[torch.fx.Node, torch.fx.Node, Optional[torch.fx.Node], int]]:
+    """``(qweight, scales, zeros, group_size)`` when ``w`` is ``offgraph::dequantize_weight`` of
+    weight placeholders (a row-major ``qweight``)."""
+    from offgraph_export.ops.quantized import dequantize_weight  # noqa: F401  (defines the op)
+
+    if not is_call(w, torch.ops.offgraph.dequantize_weight.default):
+        return None
+    q, scales, zeros, group = w.args[:4]
+    stored = [a for a in (q, scales, zeros) if a is not None]
+    if not all(isinstance(a, torch.fx.Node) and a.op == "placeholder" and a.name in weights for a in stored):
+        return None
+    qv = tensor_value(q)
+    if qv is None or qv.dim() != 2 or qv.stride(1) != 1 or not isinstance(group, int):
+        return None
+    return q, scales, zeros, group
 
 
 def _weight_names(ep: ExportedProgram) -> set[str]:
@@ -223,21 +249,25 @@ def _site(
     if (len(node.args) > 2 and node.args[2] is not None) or node.kwargs.get("bias") is not None:
         return None
     x, w = node.args[0], node.args[1]
-    if not (isinstance(w, torch.fx.Node) and w.op == "placeholder" and w.name in weights):
+    quant = _quantized_weight(w, weights)
+    if quant is None and not (isinstance(w, torch.fx.Node) and w.op == "placeholder" and w.name in weights):
         return None
     xv, wv = tensor_value(x), tensor_value(w)
     if xv is None or wv is None or xv.dtype != wv.dtype or wv.device.type not in device_types:
         return None
-    if wv.dim() != 2 or wv.stride(1) != 1:
+    if wv.dim() != 2 or (quant is None and wv.stride(1) != 1):
         return None  # the kernel reads row-major weights
-    plain = gemv_applies(tuple(xv.shape), tuple(wv.shape))
-    gated = _match_gated(node) if gemv_applies(tuple(xv.shape), tuple(wv.shape), gated=True) else None
+    q = quant is not None
+    plain = gemv_applies(tuple(xv.shape), tuple(wv.shape), quantized=q)
+    gated = _match_gated(node) if gemv_applies(tuple(xv.shape), tuple(wv.shape), gated=True, quantized=q) else None
     norm = _match_rmsnorm(x, weights) if only_user(x) is node else None
     # the folds that apply, dropped last-first until no write lies inside the folded pattern
     for use_norm, use_gated, use_residual in itertools.product((1, 0), repeat=3):
         if (use_gated and gated is None) or (not use_gated and not plain):
             continue
         site = _Site(linear=node, x=x, weight=w, last=node)
+        if quant is not None:
+            site.weight, site.quant = quant[0], quant[1:]
         if use_gated:
             site.last, site.gate_first = gated
         first = node
@@ -274,8 +304,9 @@ def decode_gemv(ep: ExportedProgram, device_types: tuple[str, ...] = ("cuda",)) 
     replaced: dict[torch.fx.Node, torch.fx.Node] = {}  # sites were matched before any rewrite
     for site in sites:
         norm_weight, eps = site.norm if site.norm else (None, 0.0)
+        scales, zeros, group = site.quant if site.quant else (None, None, 0)
         args = (site.x, site.weight, norm_weight, eps, site.residual, site.gate_first is not None,
-                site.gate_first is not False)
+                site.gate_first is not False, scales, zeros, group)
         args = tuple(replaced.get(a, a) if isinstance(a, torch.fx.Node) else a for a in args)
         with graph.inserting_before(site.last):
             node = graph.call_function(gemv, args)
@@ -291,5 +322,6 @@ def decode_gemv(ep: ExportedProgram, device_types: tuple[str, ...] = ("cuda",)) 
         norms=sum(s.norm is not None for s in sites),
         gated=sum(s.gate_first is not None for s in sites),
         residuals=sum(s.residual is not None for s in sites),
+        quantized=sum(s.quant is not None for s in sites),
     )
     return PassResult(ep, modified=bool(sites), produced=counts)

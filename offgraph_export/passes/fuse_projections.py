@@ -29,23 +29,12 @@ from torch import fx
 from torch.export import ExportedProgram
 
 from offgraph_export.errors import ExportError
-from offgraph_export.passes.graph_utils import input_dynamic_shapes, no_write_between
+from offgraph_export.passes.graph_utils import attr_tensor, drop_unused_attrs, input_dynamic_shapes, no_write_between
 from offgraph_export.passes.result import PassResult
 
-__all__ = ["fuse_projections"]
+__all__ = ["fuse_projections", "fused_weight_name"]
 
 _aten = torch.ops.aten
-
-
-def _attr(gm: torch.nn.Module, node: object) -> torch.Tensor | None:
-    if not isinstance(node, fx.Node) or node.op != "get_attr":
-        return None
-    value = gm
-    for part in str(node.target).split("."):
-        value = getattr(value, part, None)
-        if value is None:
-            return None
-    return value if isinstance(value, torch.Tensor) else None
 
 
 def _bias(node: fx.Node) -> object:
@@ -70,7 +59,7 @@ def _fusable(gm: fx.GraphModule, linears: list[fx.Node]) -> bool:
     """Distinct 2-D weights of one dtype, device and input width; biases all absent, or all
     distinct parameters of shape ``(out_features,)`` in the weights' dtype and device (what
     concatenation keeps exact)."""
-    weights = [_attr(gm, n.args[1]) for n in linears]
+    weights = [attr_tensor(gm, n.args[1]) for n in linears]
     if len(linears) < 2 or any(w is None or w.dim() != 2 for w in weights):
         return False
     first = weights[0]
@@ -82,7 +71,7 @@ def _fusable(gm: fx.GraphModule, linears: list[fx.Node]) -> bool:
     bias_nodes = [_bias(n) for n in linears]
     if all(b is None for b in bias_nodes):
         return True
-    biases = [_attr(gm, b) for b in bias_nodes]
+    biases = [attr_tensor(gm, b) for b in bias_nodes]
     if any(b is None for b in biases) or len({b.target for b in bias_nodes}) != len(bias_nodes):  # type: ignore[union-attr]
         return False
     return all(
@@ -100,12 +89,9 @@ def _groups(gm: fx.GraphModule) -> list[list[fx.Node]]:
     return [run for linears in by_input.values() for run in _runs(linears) if _fusable(gm, run)]
 
 
-def _drop_unused(gm: fx.GraphModule, targets: set[str]) -> None:
-    used = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
-    for target in targets - used:
-        owner_path, _, name = target.rpartition(".")
-        owner = gm.get_submodule(owner_path) if owner_path else gm
-        delattr(owner, name)
+def fused_weight_name(index: int) -> str:
+    """The name of the ``index``-th fused group's weight in the rewritten program."""
+    return f"offgraph_fused_{index}_weight"
 
 
 def fuse_projections(ep: ExportedProgram, example_inputs: Sequence[torch.Tensor]) -> PassResult[list[list[str]]]:
@@ -120,15 +106,15 @@ def fuse_projections(ep: ExportedProgram, example_inputs: Sequence[torch.Tensor]
     graph = gm.graph
     for index, linears in enumerate(groups):
         x = linears[0].args[0]
-        weights = [_attr(gm, n.args[1]) for n in linears]
+        weights = [attr_tensor(gm, n.args[1]) for n in linears]
         bias_nodes = [_bias(n) for n in linears]
         sizes = [int(w.shape[0]) for w in weights]  # type: ignore[union-attr]
-        weight_name = f"offgraph_fused_{index}_weight"
+        weight_name = fused_weight_name(index)
         gm.register_parameter(weight_name, torch.nn.Parameter(torch.cat(weights).detach(), requires_grad=False))  # type: ignore[arg-type]
         bias_name = None
         if bias_nodes[0] is not None:
             bias_name = f"offgraph_fused_{index}_bias"
-            bias = torch.cat([_attr(gm, b) for b in bias_nodes]).detach()  # type: ignore[misc]
+            bias = torch.cat([attr_tensor(gm, b) for b in bias_nodes]).detach()  # type: ignore[misc]
             gm.register_parameter(bias_name, torch.nn.Parameter(bias, requires_grad=False))
         with graph.inserting_before(linears[0]):
             w = graph.get_attr(weight_name)
@@ -144,7 +130,7 @@ def fuse_projections(ep: ExportedProgram, example_inputs: Sequence[torch.Tensor]
         for node in linears:
             graph.erase_node(node)
     graph.eliminate_dead_code()
-    _drop_unused(gm, replaced)
+    drop_unused_attrs(gm, replaced)
     gm.recompile()
     try:
         new_ep = torch.export.export(

@@ -19,6 +19,8 @@ from offgraph_export.specs.artifact import InputSpec, SymbolRange
 
 __all__ = [
     "ASSERT_METADATA",
+    "attr_tensor",
+    "drop_unused_attrs",
     "binary_operands",
     "drop_dead",
     "is_call",
@@ -143,6 +145,28 @@ def describe_inputs(
 
 #: export's dtype/device assert: it reads a value but computes nothing
 ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
+
+
+def attr_tensor(gm: torch.nn.Module, node: object) -> Optional[torch.Tensor]:
+    """The tensor a ``get_attr`` node of an unlifted module (``ep.module()``) reads, else None."""
+    if not isinstance(node, torch.fx.Node) or node.op != "get_attr":
+        return None
+    value = gm
+    for part in str(node.target).split("."):
+        value = getattr(value, part, None)
+        if value is None:
+            return None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def drop_unused_attrs(gm: torch.fx.GraphModule, targets: set[str]) -> None:
+    """Delete the attributes named in ``targets`` that no ``get_attr`` node reads any more (a
+    rewrite replaced their readers), so a re-trace does not carry them as dead weights."""
+    used = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    for target in targets - used:
+        owner_path, _, name = target.rpartition(".")
+        owner = gm.get_submodule(owner_path) if owner_path else gm
+        delattr(owner, name)
 
 
 def tensor_value(node: object) -> Optional[torch.Tensor]:

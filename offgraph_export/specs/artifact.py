@@ -25,6 +25,7 @@ from offgraph_export.errors import ArtifactError, SpecError
 from offgraph_export.specs.archive import UNREADABLE_MEMBER, archive_root, check_archive
 from offgraph_export.specs.limits import MAX_JSON_BYTES, MAX_SPEC_VALUES, LimitedItems, loads_limited
 from offgraph_export.specs.manifest import CacheManifest
+from offgraph_export.specs.quantization import QuantizationSpec
 from offgraph_export.specs.step_width import StepWidthSpec, parse_step_width
 
 __all__ = [
@@ -131,6 +132,8 @@ class ArtifactSpecs(BaseModel):
     #: output is per token along one (design section 4.3: a one-token step then runs the general
     #: program at width 2, its token repeated); None: not so, or not recorded (an earlier export)
     output_width_dims: Annotated[list[Annotated[int, Field(ge=0)]], LimitedItems] | None = None
+    #: the weights stored quantized (design section 11); None: float weights
+    quantization: QuantizationSpec | None = None
 
     @field_validator("step_width", mode="before")
     @classmethod

@@ -1,0 +1,81 @@
+"""What an artifact records of its quantized weights (design section 11): the scheme, the group
+size and, per quantized weight, its name in the program, the model's parameters it was made of,
+its float shape and whether other nodes read the float weight too.
+
+Read from untrusted specs like every other entry: every field is bounded and checked here, and
+the rules that tie them together (a group size only for ``int4``, a ``K`` the group size divides,
+unique names) are checked when the specs are parsed, so ``check``'s oracle never acts on a record
+it could not have come from an export. The vocabularies (``QUANT_SCHEMES``, ``GROUP_SIZES``) are
+defined here, once; ``options.py`` and the CLI read them from here. No torch.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from offgraph_export.specs.limits import LimitedItems
+
+__all__ = ["QUANT_SCHEMES", "GROUP_SIZES", "DEFAULT_GROUP_SIZE", "QuantizedWeight", "QuantizationSpec", "group_problem"]
+
+QuantScheme = Literal["int8", "int4"]
+#: ``int8``: symmetric per output channel; ``int4``: asymmetric per group of input features.
+QUANT_SCHEMES: tuple[str, ...] = get_args(QuantScheme)
+#: the group sizes ``int4`` takes (input features per scale and zero)
+GROUP_SIZES = (32, 64, 128)
+DEFAULT_GROUP_SIZE = 128
+
+_Name = Annotated[str, Field(min_length=1, max_length=512)]
+
+
+def group_problem(name: str, k: int, group_size: int) -> str | None:
+    """Why a weight of ``k`` input features cannot take int4 groups of ``group_size`` (None: it
+    can), naming the group sizes that would divide it."""
+    if k % group_size == 0 and k % 2 == 0:
+        return None
+    fits = [g for g in GROUP_SIZES if k % g == 0]
+    hint = f"use --group-size {' or '.join(map(str, fits))}" if fits else f"no group size in {GROUP_SIZES} divides it"
+    return f"weight {name} has {k} input features, not a multiple of the int4 group size {group_size}; {hint}"
+
+
+class QuantizedWeight(BaseModel):
+    """One quantized weight: ``name`` in the program, ``sources`` the model's parameters it was
+    made of (one, or the fused ones in row order), ``shape`` its float ``[N, K]``, ``shared`` when
+    other nodes read the float weight too (a tied embedding table)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: _Name
+    sources: Annotated[list[_Name], LimitedItems] = Field(min_length=1)
+    shape: Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=2, max_length=2)]
+    shared: bool = False
+
+
+class QuantizationSpec(BaseModel):
+    """The ``quantization`` entry of the specs (absent: float weights)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    scheme: QuantScheme
+    group_size: int | None = None
+    weights: Annotated[list[QuantizedWeight], LimitedItems] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "QuantizationSpec":
+        if self.scheme == "int4":
+            if self.group_size not in GROUP_SIZES:
+                raise ValueError(f"int4 group_size {self.group_size!r} is not one of {GROUP_SIZES}")
+            for w in self.weights:
+                problem = group_problem(w.name, w.shape[1], self.group_size)
+                if problem:
+                    raise ValueError(problem)
+        elif self.group_size is not None:
+            raise ValueError(f"group_size {self.group_size} applies to int4 only, not {self.scheme}")
+        names = [w.name for w in self.weights]
+        if len(set(names)) != len(names):
+            raise ValueError("a quantized weight is named twice")
+        sources = [s for w in self.weights for s in w.sources]
+        if len(set(sources)) != len(sources):
+            raise ValueError("a model parameter is the source of two quantized weights")
+        return self

@@ -1,0 +1,145 @@
+"""The decode GEMV over int8 / int4 weights against bf16, at the Llama-3.2-1B projection shapes.
+
+Each measurement is one projection of 16 layers (each on its own weights, so they do not sit in
+L2), captured in one CUDA graph and replayed: the median replay over 16 is one call's time, as a
+decode step pays it. Per shape, side by side: bf16 through cuBLAS (``F.linear``) and through this
+project's GEMV (``kernels/triton_gemv.py``, where its width limit admits it), int8 and int4
+(group 128) through the same GEMV with its folds (default launch configuration and a few others),
+and, for int4 without folds, tinygemm (``aten._weight_int4pack_mm``, the kernel gpt-fast's int4
+path uses) as the contender. The step sums 16 layers of each projection plus the lm_head; the
+floor is the weights' bytes at the measured device copy rate.
+
+    python scripts/bench_quantized_gemv.py --out quantized_gemv.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from offgraph_export.kernels import triton_gemv as tg
+from offgraph_export.reference.weight_quant import quantize
+
+LAYERS = 16
+DT = torch.bfloat16
+SHAPES = {  # name: (weight rows N, K, norm, gated, residual, copies)
+    "qkv+norm": (3072, 2048, True, False, False, LAYERS),
+    "o+residual": (2048, 2048, False, False, True, LAYERS),
+    "gate|up+norm+silu*mul": (16384, 2048, True, True, False, LAYERS),
+    "down+residual": (2048, 8192, False, False, True, LAYERS),
+    "lm_head+norm": (128256, 2048, True, False, False, 4),
+}
+CONFIGS = [(1, 1024, 4), (2, 1024, 4), (4, 1024, 4), (2, 2048, 4), (4, 2048, 8), (8, 512, 4)]
+GROUP = 128
+
+
+def replay_us(fn, calls: int, reps: int = 25) -> float:
+    """Median replay of ``fn`` captured in a CUDA graph, per call, in us."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def copy_rate() -> float:
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    us = replay_us(lambda: b.copy_(a), 1)
+    return 2 * a.numel() / (us * 1e-6)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    started = time.time()
+    rate = copy_rate()
+    print(f"{torch.cuda.get_device_name()} torch {torch.__version__}; copy rate {rate / 1e12:.2f} TB/s", flush=True)
+    rows = []
+    for name, (n, k, norm, gated, residual, copies) in SHAPES.items():
+        n_out = n // 2 if gated else n
+        x = torch.randn(1, 1, k, device="cuda", dtype=DT)
+        nw = (1 + 0.1 * torch.randn(k, device="cuda")).to(DT) if norm else None
+        res = torch.randn(1, 1, n_out, device="cuda", dtype=DT) if residual else None
+        ws = [torch.randn(n, k, device="cuda", dtype=DT) / k**0.5 for _ in range(copies)]
+        row = {"shape": name, "n": n, "k": k, "copies": copies, "us": {}, "bytes": {}}
+        row["bytes"]["bf16"] = n * k * 2
+        row["us"]["cublas_bf16"] = replay_us(lambda: [torch.nn.functional.linear(x, w) for w in ws], copies)
+        if tg.gemv_applies((1, 1, k), (n, k), gated=gated) or (not gated and tg.gemv_applies((1, 1, k), (n, k))):
+            row["us"]["gemv_bf16"] = replay_us(lambda: [tg.gemv_launch(x, w, nw, 1e-5, res, gated, True) for w in ws], copies)
+        for scheme, group in (("int8", None), ("int4", GROUP)):
+            stored = [quantize(w, scheme, group) for w in ws]
+            q0 = stored[0]
+            row["bytes"][scheme] = sum(t.numel() * t.element_size() for t in q0.tensors().values())
+
+            def run(config=None, stored=stored, group=group):
+                for s in stored:
+                    tg.gemv_launch(x, s.qweight, nw, 1e-5, res, gated, True, config, scales=s.scales, zeros=s.zeros,
+                                   group_size=group or 0)
+
+            row["us"][f"gemv_{scheme}"] = replay_us(run, copies)
+            for bn, bk, warps in CONFIGS:
+                config = {"kernel": "rows", "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps}
+                try:
+                    row["us"][f"gemv_{scheme}_{bn}x{bk}w{warps}"] = replay_us(lambda: run(config), copies)
+                except Exception as exc:  # noqa: BLE001 - a configuration may not compile; say so
+                    print(f"  {name} {scheme} {config}: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
+            if scheme == "int4" and not gated:
+                try:
+                    packed = []
+                    for s in stored:
+                        weight = torch.ops.aten._convert_weight_to_int4pack(s.qweight.contiguous(), 8)
+                        sz = torch.stack([s.scales.t(), s.zeros.t()], dim=-1).contiguous()
+                        packed.append((weight, sz))
+                    x2 = x.reshape(1, k)
+                    row["us"]["tinygemm_int4"] = replay_us(
+                        lambda: [torch.ops.aten._weight_int4pack_mm(x2, wp, GROUP, sz) for wp, sz in packed], copies)
+                except Exception as exc:  # noqa: BLE001
+                    print(f"  tinygemm {name}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+            del stored
+        best = {}
+        for scheme in ("int8", "int4"):
+            options = {key: us for key, us in row["us"].items() if key.startswith(f"gemv_{scheme}")}
+            best[scheme] = min(options, key=options.get)
+        row["best"] = best
+        rows.append(row)
+        print(name, {key: round(us, 2) for key, us in row["us"].items()}, flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    step = {}
+    for variant in ("cublas_bf16", "gemv_bf16", "gemv_int8", "gemv_int4", "tinygemm_int4"):
+        total = 0.0
+        for row in rows:
+            us = row["us"].get(variant) or row["us"].get("gemv_bf16" if variant == "gemv_bf16" else "cublas_bf16")
+            if variant == "tinygemm_int4" and "tinygemm_int4" not in row["us"]:
+                us = row["us"]["gemv_int4"]  # the gated projection: tinygemm has no fold, take ours
+            if variant == "gemv_bf16" and "gemv_bf16" not in row["us"]:
+                us = row["us"]["cublas_bf16"]  # the bf16 lm_head is cuBLAS's in the float step
+            total += us * (1 if row["shape"].startswith("lm_head") else LAYERS)
+        step[variant] = total
+    weights = {s: sum(r["bytes"][s] * (1 if r["shape"].startswith("lm_head") else LAYERS) for r in rows) for s in ("bf16", "int8", "int4")}
+    floor = {s: b / rate * 1e6 for s, b in weights.items()}
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bytes_per_s": rate,
+           "rows": rows, "step_us": step, "weight_bytes": weights, "floor_us": floor, "seconds": time.time() - started}
+    print("step (16 layers + lm_head), us:", {key: round(v, 1) for key, v in step.items()})
+    print("floor us:", {key: round(v, 1) for key, v in floor.items()})
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""What ``export`` says: a progress line as each stage finishes, and with ``--json`` a summary on
+stdout of the artifact's path and size and each stage's seconds (each method's compile too). The
+export is the session's one of the example (``conftest.example_export``): no compile of its own."""
+
+from __future__ import annotations
+
+import json
+import re
+
+
+def test_export_json_gives_the_path_the_size_and_every_stage_time(example_export):
+    path, proc = example_export
+    summary = json.loads(proc.stdout)
+    assert summary["artifact"] == str(path) and summary["bytes"] == path.stat().st_size
+    assert summary["methods"] == ["model"]
+    stages = ["build_s", "export_s", "passes_s", "compile_s"]
+    per_method = [f"compile_{m}_s" for m in summary["methods"]]
+    for key in stages + per_method:
+        assert isinstance(summary[key], float) and summary[key] > 0, (key, summary)
+    assert sum(summary[k] for k in per_method) <= summary["compile_s"]
+
+
+def test_export_says_each_stage_time_as_it_finishes(example_export):
+    _, proc = example_export
+    said = [line for line in proc.stderr.splitlines() if re.match(r"\[\s*\d+\.\ds\] ", line)]
+    finished = [re.sub(r"^\[\s*\d+\.\ds\] ", "", line) for line in said if " in " in line]
+    assert [re.sub(r"\d+\.\ds$", "Xs", line) for line in finished] == [
+        "built in Xs", "exported in Xs", "passes done in Xs", "compiled method 'model' in Xs",
+        "packaged the weights and methods in Xs", "compiled in Xs",
+    ], proc.stderr

@@ -1,0 +1,94 @@
+"""The decode GEMV over quantized weights (docs/design.md section 11): the kernel dequantizing
+int8 / int4 in registers against the float folds over the reference rule's ``W'`` (in the Triton
+interpreter on CPU, and in bf16 on cuda), and ``decode_gemv`` taking every quantized linear of
+the example's decode method, the lm_head included, with its folds.
+
+``test_interp_*`` run in a child with ``TRITON_INTERPRET=1`` (``test_quantized_gemv_interpreter_suite``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from offgraph_export.reference.weight_quant import dequantize, quantize
+from tests.test_triton_attend import FOLDS, _eager_folds, _fold_inputs
+from tests.triton_testing import interpreter_only, needs_cuda, needs_triton, run_interpreter_cases
+
+SCHEMES = [("int8", None), ("int4", 32), ("int4", 128)]
+
+
+def _quantized(w: torch.Tensor, scheme: str, group: int | None):
+    stored = quantize(w, scheme, group)
+    return stored, dequantize(stored)
+
+
+@needs_triton
+def test_quantized_gemv_interpreter_suite():
+    run_interpreter_cases(__file__)
+
+
+@interpreter_only
+@pytest.mark.parametrize("scheme,group", SCHEMES)
+@pytest.mark.parametrize("norm, gated, gate_first, residual", FOLDS)
+@pytest.mark.parametrize("n, k", [(40, 256), (96, 1152)])  # 1152: a partial last chunk of columns
+def test_interp_quantized_gemv_matches_the_float_folds_over_w_prime(n, k, norm, gated, gate_first, residual, scheme, group):
+    from offgraph_export.kernels.triton_gemv import triton_gemv
+
+    x, w, nw, res = _fold_inputs(n, k, torch.float32, norm, gated, residual)
+    stored, w_prime = _quantized(w, scheme, group)
+    got = triton_gemv(x, stored.qweight, nw, 1e-5, res, gated, gate_first, stored.scales, stored.zeros, group or 0)
+    want = _eager_folds(x, w_prime, nw, 1e-5, res, gated, gate_first)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=3e-5, rtol=3e-5)
+    # and not the float weight's result: the kernel really reads the stored form
+    assert (got - _eager_folds(x, w, nw, 1e-5, res, gated, gate_first)).abs().max() > 1e-4
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("scheme,group", SCHEMES)
+@pytest.mark.parametrize("norm, gated, gate_first, residual", FOLDS[:4])
+@pytest.mark.parametrize("n, k", [(3072, 2048), (2048, 8192), (16384, 2048), (128256, 2048)])
+def test_quantized_gemv_matches_on_cuda(n, k, norm, gated, gate_first, residual, scheme, group):
+    """bf16 at the Llama-1B shapes (the lm_head's 128256 rows included): as close to a float64
+    recompute over ``W'`` as eager bf16 over ``W'`` is."""
+    from offgraph_export.kernels.triton_gemv import triton_gemv
+
+    if gated and n > 16384:
+        pytest.skip("no gated lm_head")
+    x, w, nw, res = _fold_inputs(n, k, torch.bfloat16, norm, gated, residual, device="cuda", seed=7)
+    stored, w_prime = _quantized(w, scheme, group)
+    want = _eager_folds(x.double(), w_prime.double(), None if nw is None else nw.double(), 1e-5,
+                        None if res is None else res.double(), gated, gate_first)
+    eager = _eager_folds(x, w_prime, nw, 1e-5, res, gated, gate_first)
+    got = triton_gemv(x, stored.qweight, nw, 1e-5, res, gated, gate_first, stored.scales, stored.zeros, group or 0)
+    err = ((got.double() - want).norm() / want.norm()).item()
+    eager_err = ((eager.double() - want).norm() / want.norm()).item()
+    assert err <= 1.5 * eager_err + 1e-3, f"GEMV error {err:.2e} vs eager bf16 {eager_err:.2e}"
+
+
+@needs_triton
+@pytest.mark.parametrize("scheme,group", [("int8", None), ("int4", 32)])
+def test_decode_gemv_takes_every_quantized_linear(scheme, group):
+    """The example's decode method, quantized: every linear (the 256-row output projection too)
+    becomes one GEMV over the stored form, with the same folds as the float program; no
+    dequantize node and no float linear weight is left."""
+    from offgraph_export.frontends import load_bundle
+    from offgraph_export.passes.decode_gemv import GemvCounts, decode_gemv
+    from offgraph_export.passes.specialize_width import specialize_width
+    from offgraph_export.pipeline import export_model, run_passes
+    from tests.conftest import EXAMPLE
+
+    bundle = load_bundle(EXAMPLE)
+    inputs = bundle.example_inputs
+    ep = export_model(bundle.model.requires_grad_(False), inputs, bundle.token_dims, bundle.cache_config.max_write)
+    program = run_passes(ep, inputs, bundle.cache_config, "portable", quantize=scheme, group_size=group)
+    fixed = specialize_width(program.pass_results["strip_kv_cache"].program, program.step_width).program
+    result = decode_gemv(fixed, device_types=("cpu",))
+    assert result.produced == GemvCounts(linears=9, norms=5, gated=2, residuals=4, quantized=9)
+    gemv = torch.ops.offgraph_lowered.triton_gemv.default
+    nodes = [n for n in fixed.graph.nodes if n.target is gemv]
+    assert len(nodes) == 9 and all(n.args[7] is not None for n in nodes)  # scales given
+    assert not any(n.target is torch.ops.offgraph.dequantize_weight.default for n in fixed.graph.nodes)
+    assert not any(n.target is torch.ops.aten.linear.default for n in fixed.graph.nodes)
+    fixed.validate()
