@@ -337,10 +337,12 @@ def test_quality_of_the_int8_example_against_its_float_model(int8_example):
     assert "teacher-forced tokens  16" in short and "top-1 agreement" in short
 
 
-def test_int4_batched_example_checks_every_session(tmp_path_factory):
+def test_int4_batched_example_checks_every_session_and_scores_its_quality(tmp_path_factory):
     """int4 through the paged step: 8 sessions joining and leaving, crossing pages and wrapping
-    the example's ring layer, every step against the dequantized oracle."""
+    the example's ring layer, every step against the dequantized oracle; and the quality report
+    through the batched runner (one session) against the float model."""
     from offgraph_export.check import check_batched
+    from offgraph_export.quality import quality_report
 
     out = tmp_path_factory.mktemp("q") / "int4_batched.pt2"
     cli("export", EXAMPLE, "-o", str(out), "--quantize", "int4", "--group-size", "32",
@@ -348,6 +350,9 @@ def test_int4_batched_example_checks_every_session(tmp_path_factory):
     report = check_batched(str(out), EXAMPLE, sessions=8)
     assert report.passed, report.render()
     assert any("int4 weights dequantized" in n and "groups of 32" in n for n in report.notes), report.notes
+    quality = quality_report(str(out), EXAMPLE, tokens=100)
+    assert quality.weights == "int4/32" and quality.tokens == 100
+    assert quality.max_logit_error > 1e-3 and 0 < quality.top1_agreement <= 1 and math.isfinite(quality.perplexity)
 
 
 def test_int4_transformers_qwen2_with_biases_rings_and_tied_embeddings(tmp_path_factory):
