@@ -83,6 +83,8 @@ class StrippedProgram:
     sessions: ExportedProgram | None = None
     #: the quantized weights (design section 11), when asked for and the program has linears
     quantization: QuantizationSpec | None = None
+    #: each pass's seconds, by the name it has in ``pass_results``
+    pass_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def programs(self) -> dict[str, ExportedProgram]:
@@ -177,6 +179,7 @@ def run_passes(
     decode_sessions: bool = False,
     quantize: str = "none",
     group_size: int | None = None,
+    progress: Progress = _noop,
 ) -> StrippedProgram:
     """validate -> record step width -> record positions -> bound table indices -> fuse
     projections (``fuse``) -> quantize weights (``quantize``: ``int8`` or ``int4`` with
@@ -187,8 +190,19 @@ def run_passes(
     functionalize: the sessions method (``decode_sessions``)].
 
     ``step_impl``: ``portable``, ``triton``, or a callable with the signature of
-    ``portable_update_and_attend`` (recorded in the specs by its ``__name__``)."""
+    ``portable_update_and_attend`` (recorded in the specs by its ``__name__``). Each pass's time
+    is kept in ``pass_seconds`` and told to ``progress`` as it ends (a large model's passes take
+    minutes: this says which)."""
     results: dict[str, PassResult[Any]] = {}
+    seconds: dict[str, float] = {}
+
+    def timed(name: str, run: Callable[[], PassResult[Any]]) -> PassResult[Any]:
+        t0 = time.perf_counter()
+        results[name] = run()
+        seconds[name] = time.perf_counter() - t0
+        progress(f"  pass {name}: {seconds[name]:.1f}s")
+        return results[name]
+
     steps: list[tuple[str, Callable[[ExportedProgram], PassResult[Any]]]] = [
         ("validate_kv_sites", validate_kv_sites),
         ("record_step_width", record_step_width),
@@ -207,33 +221,27 @@ def run_passes(
     ]
     program = ep
     for name, run in steps:
-        results[name] = run(program)
-        program = results[name].program
+        program = timed(name, lambda: run(program)).program
     decode = None
     if decode_method:
         # From the program before functionalize: that pass decomposes the triton step into the
         # kernels chosen for a symbolic width, and the one-token kernels are chosen only where
         # the width is the constant 1, so the decode method is traced and decomposed on its own.
         stripped = results["strip_kv_cache"].program
-        results["specialize_width"] = specialize_width(stripped, results["record_step_width"].produced)
-        decode_program = results["specialize_width"].program
+        decode_program = timed("specialize_width", lambda: specialize_width(stripped, results["record_step_width"].produced)).program
         if decode_gemv:
-            results["decode_gemv"] = decode_gemv_pass(decode_program)
-            decode_program = results["decode_gemv"].program
+            decode_program = timed("decode_gemv", lambda: decode_gemv_pass(decode_program)).program
         if decode_rope:
-            results["decode_rope"] = decode_rope_pass(decode_program)
-            decode_program = results["decode_rope"].program
-        results["functionalize_decode"] = functionalize(decode_program)
-        decode = results["functionalize_decode"].program
+            decode_program = timed("decode_rope", lambda: decode_rope_pass(decode_program)).program
+        decode = timed("functionalize_decode", lambda: functionalize(decode_program)).program
     sessions = None
     if decode_sessions:
         if results["build_manifest"].produced.paging is None:
             raise ExportError("the sessions method is a batched artifact's (decode steps of several sessions): export with max_sessions")
         stripped = results["strip_kv_cache"].program
-        results["retrace_sessions"] = specialize_width(stripped, results["record_step_width"].produced, width=None)
-        results["decode_sessions"] = decode_sessions_pass(results["retrace_sessions"].program)
-        results["functionalize_sessions"] = functionalize(results["decode_sessions"].program)
-        sessions = results["functionalize_sessions"].program
+        retraced = timed("retrace_sessions", lambda: specialize_width(stripped, results["record_step_width"].produced, width=None))
+        rewritten = timed("decode_sessions", lambda: decode_sessions_pass(retraced.program))
+        sessions = timed("functionalize_sessions", lambda: functionalize(rewritten.program)).program
     return StrippedProgram(
         exported=ep,
         stripped=program,
@@ -244,6 +252,7 @@ def run_passes(
         index_bounds=results["bound_table_indices"].produced,
         options=pass_record(fuse, decode_method, decode_gemv, decode_rope, decode_sessions, quantize, group_size),
         pass_results=results,
+        pass_seconds=seconds,
         decode=decode,
         sessions=sessions,
         quantization=results["quantize_weights"].produced if "quantize_weights" in results else None,
@@ -309,7 +318,7 @@ def export_and_lower(
     **option_fields: Any,
 ) -> tuple[Path, StrippedProgram, dict[str, float]]:
     """Export, run the passes and lower ``bundle`` to ``path``; returns timings in seconds:
-    ``export_s``, ``passes_s``, ``compile_s`` (the whole lowering) and, for a ``.pt2``,
+    ``export_s``, ``passes_s`` (and ``pass_<name>_s`` per pass within it), ``compile_s`` (the whole lowering) and, for a ``.pt2``,
     ``compile_<method>_s`` per method (within ``compile_s``); ``progress`` is told each as its
     stage finishes, so a long export shows where its time goes while it runs. The
     model is exported for inference: its parameters stop requiring grad. ``options`` (or, for
@@ -336,8 +345,10 @@ def export_and_lower(
         ep, inputs, bundle.cache_config, resolved.step_impl, fuse=resolved.fuse_projections,
         decode_method=resolved.decode_method, decode_gemv=resolved.decode_gemv, decode_rope=resolved.decode_rope,
         decode_sessions=resolved.decode_sessions, quantize=resolved.quantize, group_size=resolved.group_size,
+        progress=progress,
     )
     timings["passes_s"] = time.perf_counter() - t0
+    timings.update({f"pass_{name}_s": seconds for name, seconds in program.pass_seconds.items()})
     progress(f"passes done in {timings['passes_s']:.1f}s")
     progress(f"compiling ({resolved.format}) for {resolved.device} (tens of seconds per method)")
     t0 = time.perf_counter()

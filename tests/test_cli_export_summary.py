@@ -18,6 +18,17 @@ def test_export_json_gives_the_path_the_size_and_every_stage_time(example_export
     for key in stages + per_method:
         assert isinstance(summary[key], float) and summary[key] > 0, (key, summary)
     assert sum(summary[k] for k in per_method) <= summary["compile_s"]
+    # each pass's seconds (the cpu example: no decode method), within the passes' total
+    passes = [k for k in summary if k.startswith("pass_")]
+    assert passes == [f"pass_{name}_s" for name in (
+        "validate_kv_sites", "record_step_width", "record_positions", "bound_table_indices", "fuse_projections",
+        "build_manifest", "strip_kv_cache", "functionalize")], passes
+    assert all(summary[k] >= 0 for k in passes) and sum(summary[k] for k in passes) <= summary["passes_s"] + 0.01
+
+
+def test_export_says_each_pass_time(example_export):
+    _, proc = example_export
+    assert re.search(r"\] +pass fuse_projections: \d+\.\ds$", proc.stderr, re.M), proc.stderr
 
 
 def test_export_says_each_stage_time_as_it_finishes(example_export):
