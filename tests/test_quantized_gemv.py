@@ -1,7 +1,8 @@
-"""The decode GEMV over quantized weights (docs/design.md section 11): the kernel dequantizing
-int8 / int4 in registers against the float folds over the reference rule's ``W'`` (in the Triton
-interpreter on CPU, and in bf16 on cuda), and ``decode_gemv`` taking every quantized linear of
-the example's decode method, the lm_head included, with its folds.
+"""The decode GEMV over quantized weights (docs/design.md section 11) and with a bias: the kernel
+dequantizing int8 / int4 in registers against the float folds over the reference rule's ``W'``
+(in the Triton interpreter on CPU, and in bf16 on cuda), the bias added before the output's
+rounding; ``decode_gemv`` taking every quantized linear of the example's decode method, the lm_head
+included, with its folds, and a Qwen2 model's biased q|k|v projections.
 
 ``test_interp_*`` run in a child with ``TRITON_INTERPRET=1`` (``test_quantized_gemv_interpreter_suite``)."""
 
@@ -42,6 +43,25 @@ def test_interp_quantized_gemv_matches_the_float_folds_over_w_prime(n, k, norm, 
     torch.testing.assert_close(got, want, atol=3e-5, rtol=3e-5)
     # and not the float weight's result: the kernel really reads the stored form
     assert (got - _eager_folds(x, w, nw, 1e-5, res, gated, gate_first)).abs().max() > 1e-4
+
+
+@interpreter_only
+@pytest.mark.parametrize("scheme,group", [(None, None), ("int8", None), ("int4", 32)])
+@pytest.mark.parametrize("norm, gated, gate_first, residual", FOLDS[:4])
+def test_interp_gemv_with_a_bias_matches_eager(norm, gated, gate_first, residual, scheme, group):
+    from offgraph_export.kernels.triton_gemv import triton_gemv
+
+    n, k = 96, 256
+    x, w, nw, res = _fold_inputs(n, k, torch.float32, norm, gated, residual)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(5))
+    if scheme is None:
+        got = triton_gemv(x, w, nw, 1e-5, res, gated, gate_first, bias=bias)
+        w_prime = w
+    else:
+        stored, w_prime = _quantized(w, scheme, group)
+        got = triton_gemv(x, stored.qweight, nw, 1e-5, res, gated, gate_first, stored.scales, stored.zeros, group or 0, bias)
+    want = _eager_folds(x, w_prime, nw, 1e-5, res, gated, gate_first, bias=bias)
+    torch.testing.assert_close(got, want, atol=3e-5, rtol=3e-5)
 
 
 @pytest.mark.cuda
@@ -92,3 +112,48 @@ def test_decode_gemv_takes_every_quantized_linear(scheme, group):
     assert not any(n.target is torch.ops.offgraph.dequantize_weight.default for n in fixed.graph.nodes)
     assert not any(n.target is torch.ops.aten.linear.default for n in fixed.graph.nodes)
     fixed.validate()
+
+
+@needs_triton
+def test_decode_gemv_takes_biased_projections(tmp_path):
+    """A transformers Qwen2 (q/k/v with biases, fused into one biased q|k|v): every linear of its
+    decode method becomes a GEMV, the biased ones with their bias."""
+    transformers = pytest.importorskip("transformers")
+    from offgraph_export.frontends import load_bundle
+    from offgraph_export.passes.decode_gemv import decode_gemv
+    from offgraph_export.passes.specialize_width import specialize_width
+    from offgraph_export.pipeline import export_model, run_passes
+    from tests.test_frontend_hf import COMMON
+
+    transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON)).save_pretrained(tmp_path / "qwen2")
+    bundle = load_bundle(f"hf:{tmp_path / 'qwen2'}")
+    inputs = bundle.example_inputs
+    ep = export_model(bundle.model.requires_grad_(False), inputs, bundle.token_dims, bundle.cache_config.max_write)
+    program = run_passes(ep, inputs, bundle.cache_config, "portable")
+    fixed = specialize_width(program.pass_results["strip_kv_cache"].program, program.step_width).program
+    result = decode_gemv(fixed, device_types=("cpu",))
+    gemv = torch.ops.offgraph_lowered.triton_gemv.default
+    nodes = [n for n in fixed.graph.nodes if n.target is gemv]
+    layers = COMMON["num_hidden_layers"]
+    assert result.produced.linears == len(nodes) == 4 * layers + 1  # q|k|v, o, gate|up, down; lm_head
+    assert sum(n.args[10] is not None for n in nodes) == layers  # the biased q|k|v
+    assert not any(n.target is torch.ops.aten.linear.default for n in fixed.graph.nodes)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("n, k, gated", [(4608, 3584, False), (37888, 3584, True), (6144, 4096, False)])
+def test_gemv_at_the_7b_8b_shapes_on_cuda(n, k, gated):
+    """bf16 at Qwen2.5-7B's biased q|k|v and gated gate|up and Llama-3.1-8B's q|k|v (issue 27's
+    shapes), with a bias: as close to a float64 recompute as eager bf16."""
+    from offgraph_export.kernels.triton_gemv import gemv_applies, triton_gemv
+
+    assert gemv_applies((1, 1, k), (n, k), gated=gated)
+    x, w, nw, _ = _fold_inputs(n, k, torch.bfloat16, True, gated, False, device="cuda", seed=3)
+    bias = (0.1 * torch.randn(n, device="cuda")).to(torch.bfloat16)
+    want = _eager_folds(x.double(), w.double(), nw.double(), 1e-5, None, gated, True, bias=bias.double())
+    eager = _eager_folds(x, w, nw, 1e-5, None, gated, True, bias=bias)
+    got = triton_gemv(x, w, nw, 1e-5, None, gated, True, bias=bias)
+    err = ((got.double() - want).norm() / want.norm()).item()
+    eager_err = ((eager.double() - want).norm() / want.norm()).item()
+    assert err <= 1.5 * eager_err + 1e-3, f"GEMV error {err:.2e} vs eager bf16 {eager_err:.2e}"

@@ -562,24 +562,29 @@ def test_interp_gemv_reads_a_strided_row():
 
 
 def test_gemv_applies_only_to_narrow_one_row_linears():
-    from offgraph_export.kernels.triton_gemv import MAX_GEMV_ROWS, gemv_applies
+    from offgraph_export.kernels.triton_gemv import MAX_GATED_ROWS, MAX_GEMV_ROWS, gemv_applies
 
     assert gemv_applies((1, 1, 2048), (3072, 2048))
     assert not gemv_applies((1, 2, 2048), (3072, 2048))  # two rows
     assert not gemv_applies((1, 1, 2048), (MAX_GEMV_ROWS + 1, 2048))  # wide: the compiler's GEMM
     assert not gemv_applies((1, 1, 2048), (3072, 1024))  # mismatched K
+    # a gated gate|up up to MAX_GATED_ROWS outputs: the Llama-3.1-8B shape's 2 x 14336 rows
+    assert gemv_applies((1, 1, 4096), (2 * 14336, 4096), gated=True) and not gemv_applies((1, 1, 4096), (28672, 4096))
+    assert not gemv_applies((1, 1, 4096), (2 * (MAX_GATED_ROWS + 1), 4096), gated=True)
+    # a quantized weight at any width (the lm_head): the compiler has no GEMM that reads its stored form
+    assert gemv_applies((1, 1, 2048), (128256, 2048), quantized=True)
 
 
 # The GEMV's folds: RMSNorm prologue, gated (silu(gate) * up) and residual epilogues.
 
 
-def _eager_folds(x, w, norm_weight=None, eps=1e-5, residual=None, gated=False, gate_first=True):
+def _eager_folds(x, w, norm_weight=None, eps=1e-5, residual=None, gated=False, gate_first=True, bias=None):
     """What the folded nodes compute in eager PyTorch (Llama's RMSNorm, SiLU·mul, residual add)."""
     dt = w.dtype
     if norm_weight is not None:
         xf = x.float()
         x = norm_weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dt)
-    y = torch.nn.functional.linear(x, w)
+    y = torch.nn.functional.linear(x, w, bias)
     if gated:
         gate, up = y.split(w.shape[0] // 2, -1)
         if not gate_first:
@@ -621,7 +626,7 @@ def test_interp_gemv_folds_match_eager(n, k, norm, gated, gate_first, residual):
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("norm, gated, gate_first, residual", FOLDS)
-@pytest.mark.parametrize("n, k", [(3072, 2048), (2048, 8192), (16384, 2048), (1000, 4100)])
+@pytest.mark.parametrize("n, k", [(3072, 2048), (2048, 8192), (16384, 2048), (1000, 4100), (28672, 4096)])  # the last: 8B gate|up
 def test_gemv_folds_match_eager_on_cuda(n, k, norm, gated, gate_first, residual):
     """bf16 at the Llama-1B projection shapes (and odd ones): the folds round each intermediate as
     eager does, so the result is as close to a float64 recompute as eager bf16 is."""

@@ -49,7 +49,7 @@ from offgraph_export.kernels.triton_base import (
     triton,
 )
 
-__all__ = ["OP_NAME", "triton_gemv", "gemv_applies", "MAX_GEMV_ROWS"]
+__all__ = ["OP_NAME", "triton_gemv", "gemv_applies", "MAX_GEMV_ROWS", "MAX_GATED_ROWS"]
 
 OP_NAME = "offgraph_lowered::triton_gemv"
 
@@ -57,6 +57,13 @@ OP_NAME = "offgraph_lowered::triton_gemv"
 #: the measured 16384- and 128256-wide projections ran at 2.6-4.0 TB/s there). A gated GEMV
 #: reads twice its output width.
 MAX_GEMV_ROWS = 8192
+#: A gated (gate|up) projection's outputs up to this (it reads twice as many rows): the 8B shape's
+#: 14336 fits. Wider than the plain limit because the alternative there is worse: the compiler's
+#: GEMM of the 2x-wide weight plus a SiLU·mul kernel, and max-autotune of ``mm(1x4096,
+#: 4096x28672)`` was still running after 7 minutes of an 8B export (issue 27); at the 1B shape the
+#: gated GEMV ran at cuBLAS's speed with the SiLU·mul kernel saved. Qwen2.5-7B's 18944 fits too.
+#: Not yet timed at those shapes.
+MAX_GATED_ROWS = 24576
 #: Launch configurations, from a sweep on the H200 (``scripts/sweep_decode_kernels.py``, torch
 #: 2.11, bf16, the Llama-1B projections with their folds, 16 layers' weights in one CUDA graph;
 #: ``benchmarks/h200-2026-12-01-host/sweep_gemv.log``): one program per 2 rows x 1024 columns for
@@ -130,15 +137,16 @@ def _products(w_ptr, s_ptr, z_ptr, w_rows, s_rows, row_ok, k0, K, xa, xb, dt: tl
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, s_ptr, z_ptr, N, K, stride_wn, stride_sn, gate_offset, up_offset, eps,
+    x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, s_ptr, z_ptr, b_ptr, N, K, stride_wn, stride_sn, gate_offset, up_offset, eps,
     NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC_K: tl.constexpr,
+    BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC_K: tl.constexpr,
 ):
     """Program p: output features ``[p * BLOCK_N, (p + 1) * BLOCK_N)``, each the dot product of
     one contiguous weight row (two when GATED) with ``x``, read ``BLOCK_K`` columns at a time
     (QUANT 8 or 4: a quantized row, dequantized in registers; ``ACC_K`` the products' width, half
     ``BLOCK_K`` for int4, whose even and odd columns are summed apart). Every intermediate an eager
-    decode layer would store is rounded to the output dtype here."""
+    decode layer would store is rounded to the output dtype here. BIAS: the linear's bias joins
+    the fp32 sum before its rounding, as a GEMM's bias epilogue adds it."""
     pid = tl.program_id(0)
     dt = out_ptr.dtype.element_ty
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -170,9 +178,13 @@ def _gemv_kernel(
             acc_up += _products(w_ptr, s_ptr, z_ptr, up_rows * stride_wn, up_rows * stride_sn, row_ok, k0, K, xa, xb,
                                 dt, QUANT, GROUP, BLOCK_K)
     proj = tl.sum(acc, axis=1)
+    if BIAS:
+        proj += tl.load(b_ptr + gate_rows, mask=row_ok, other=0.0).to(tl.float32)
     up = proj
     if GATED:
         up = tl.sum(acc_up, axis=1)
+        if BIAS:
+            up += tl.load(b_ptr + up_rows, mask=row_ok, other=0.0).to(tl.float32)
     _finish(proj, up, out_ptr, res_ptr, rows, row_ok, GATED, RESIDUAL)
 
 
@@ -231,8 +243,8 @@ def _gemv_tiles_kernel(
 def gemv_applies(x_shape, w_shape, gated: bool = False, quantized: bool = False) -> bool:
     """Whether a linear of input ``x_shape`` and (float, dequantized) weight ``w_shape`` is a
     one-row GEMV this kernel takes: static sizes, one row, a 2-D weight of at most
-    :data:`MAX_GEMV_ROWS` output rows (``gated``: twice that, half of them gate rows, an even
-    count; ``quantized``: any number)."""
+    :data:`MAX_GEMV_ROWS` output rows (``gated``: twice at most :data:`MAX_GATED_ROWS`, half of
+    them gate rows, an even count; ``quantized``: any number)."""
     sizes = [*x_shape, *w_shape]
     if not all(isinstance(s, int) for s in sizes) or len(w_shape) != 2 or not x_shape:
         return False
@@ -242,7 +254,8 @@ def gemv_applies(x_shape, w_shape, gated: bool = False, quantized: bool = False)
     outputs = w_shape[0] // 2 if gated else w_shape[0]
     if gated and w_shape[0] % 2:
         return False
-    return rows == 1 and x_shape[-1] == w_shape[1] and 0 < outputs and (quantized or outputs <= MAX_GEMV_ROWS)
+    limit = MAX_GATED_ROWS if gated else MAX_GEMV_ROWS
+    return rows == 1 and x_shape[-1] == w_shape[1] and 0 < outputs and (quantized or outputs <= limit)
 
 
 def _gemv(
@@ -256,16 +269,19 @@ def _gemv(
     scales: Optional[torch.Tensor] = None,
     zeros: Optional[torch.Tensor] = None,
     group_size: int = 0,
+    bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    return gemv_launch(x, w, norm_weight, eps, residual, gated, gate_first, scales=scales, zeros=zeros, group_size=group_size)
+    return gemv_launch(x, w, norm_weight, eps, residual, gated, gate_first, scales=scales, zeros=zeros,
+                       group_size=group_size, bias=bias)
 
 
 def gemv_launch(x, w, norm_weight=None, eps=0.0, residual=None, gated=False, gate_first=True,
-                config: Optional[dict] = None, scales=None, zeros=None, group_size: int = 0) -> torch.Tensor:
+                config: Optional[dict] = None, scales=None, zeros=None, group_size: int = 0, bias=None) -> torch.Tensor:
     """The op's body; ``config`` overrides :func:`_config` (``scripts/sweep_decode_kernels.py``
     calls this eagerly to sweep launch configurations). With ``scales`` the weight is quantized
     (design section 11): int8 ``[N, K]`` and scales ``[N]``, or with ``zeros`` and ``group_size``
-    int4 ``[N, K / 2]`` and scales and zeros ``[N, K / group_size]``."""
+    int4 ``[N, K / 2]`` and scales and zeros ``[N, K / group_size]``. ``bias``: ``[N]``, the
+    linear's (Qwen-style q/k/v projections)."""
     quant = 0 if scales is None else (4 if zeros is not None else 8)
     n, k = int(w.shape[0]), int(x.shape[-1])
     torch._check(w.stride(1) == 1, lambda: "the weight must be row-major")
@@ -295,12 +311,15 @@ def gemv_launch(x, w, norm_weight=None, eps=0.0, residual=None, gated=False, gat
     gate_offset, up_offset = (0, n_out) if gate_first else (n_out, 0)
     if not gated:
         gate_offset = up_offset = 0
-    config = config or _config(k, gated, quantized=bool(quant))
+    if bias is not None:
+        torch._check(bias.shape == (n,), lambda: f"the bias must have shape ({n},)")
+        bias = bias.contiguous()
+    config = config or _config(k, gated, quantized=bool(quant) or bias is not None)
     flags = dict(NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None,
                  BLOCK_N=config["BLOCK_N"], num_warps=config["num_warps"])
     tiles = triton.cdiv(n_out, config["BLOCK_N"])
     if config["kernel"] == "tiles":
-        torch._check(not quant, lambda: "quantized weights take the rows kernel")
+        torch._check(not quant and bias is None, lambda: "quantized weights and biases take the rows kernel")
         programs = min(tiles, config["per_sm"] * sm_count(x.device))
         args = (flat, w, out, norm, res, n_out, k, w.stride(0), gate_offset, up_offset, eps)
         torch.library.wrap_triton(_gemv_tiles_kernel)[(programs, 1, 1)](
@@ -312,10 +331,11 @@ def gemv_launch(x, w, norm_weight=None, eps=0.0, residual=None, gated=False, gat
             block_k = max(block_k, 2 * group_size)  # a chunk holds whole groups' worth of columns
         s_arg = scales if quant else flat
         z_arg = zeros if quant else flat
-        args = (flat, w, out, norm, res, s_arg, z_arg, n_out, k, w.stride(0), stride_sn, gate_offset, up_offset, eps)
+        b_arg = bias if bias is not None else flat
+        args = (flat, w, out, norm, res, s_arg, z_arg, b_arg, n_out, k, w.stride(0), stride_sn, gate_offset, up_offset, eps)
         torch.library.wrap_triton(_gemv_kernel)[(tiles, 1, 1)](
-            *args, QUANT=quant, GROUP=max(group_size, 1), BLOCK_K=block_k, ACC_K=block_k // 2 if quant == 4 else block_k,
-            **flags,
+            *args, QUANT=quant, GROUP=max(group_size, 1), BIAS=bias is not None, BLOCK_K=block_k,
+            ACC_K=block_k // 2 if quant == 4 else block_k, **flags,
         )
     return out
 
@@ -335,11 +355,12 @@ def triton_gemv(
     scales: Optional[torch.Tensor] = None,
     zeros: Optional[torch.Tensor] = None,
     group_size: int = 0,
+    bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """``x @ w.T`` for a one-row ``x`` (:func:`gemv_applies`), through the custom op, with the
+    """``x @ w.T`` (``+ bias``) for a one-row ``x`` (:func:`gemv_applies`), through the custom op, with the
     optional RMSNorm prologue, gated (``silu(gate) * up``) epilogue and residual add described in
     the module docstring. ``gate_first``: the gate rows are the first half of ``w``. ``scales``
-    (``zeros``, ``group_size``): ``w`` is quantized (:func:`gemv_launch`)."""
+    (``zeros``, ``group_size``): ``w`` is quantized (:func:`gemv_launch`); ``bias``: the linear's."""
     if _TRITON_IMPORT_ERROR is not None:
         raise ExportError(f"the GEMV kernel needs the 'triton' package: {_TRITON_IMPORT_ERROR}")
-    return _gemv_op(x, w, norm_weight, eps, residual, gated, gate_first, scales, zeros, group_size)
+    return _gemv_op(x, w, norm_weight, eps, residual, gated, gate_first, scales, zeros, group_size, bias)

@@ -6,7 +6,7 @@ compiler's GEMM templates run the narrow ones (output width <= 8192: q/k/v, outp
 projections of a Llama-shaped model) on fewer programs than the GPU has SMs
 (:mod:`offgraph_export.kernels.triton_gemv` says what was measured). At one token the step is
 also bound by launches: every RMSNorm, SiLU·mul and residual add is a kernel of its own, about 5
-per layer. This pass rewrites each ``aten.linear(x, w)`` without bias whose input is one static
+per layer. This pass rewrites each ``aten.linear(x, w[, b])`` whose input is one static
 row and whose weight is a row-major cuda parameter or constant into the
 ``offgraph_lowered::triton_gemv`` op, and takes into that one node, where the graph has them:
 
@@ -14,7 +14,7 @@ row and whose weight is a row-major cuda parameter or constant into the
   input in fp32: the eager pattern of Llama-family models), as the kernel's prologue;
 * a ``silu(gate) * up`` reading the two halves of a gate|up projection (as
   :mod:`~offgraph_export.passes.fuse_projections` splits it), as the gated epilogue; the
-  projection may then be up to twice :data:`~offgraph_export.kernels.triton_gemv.MAX_GEMV_ROWS`
+  projection may then be up to twice :data:`~offgraph_export.kernels.triton_gemv.MAX_GATED_ROWS`
   wide;
 * an ``add`` of another tensor of the output's shape and dtype, as the residual epilogue.
 
@@ -77,6 +77,8 @@ class _Site:
     weight: torch.fx.Node
     #: a quantized weight's (scales, zeros, group_size); ``weight`` is then its stored ``qweight``
     quant: Optional[tuple[torch.fx.Node, Optional[torch.fx.Node], int]] = None
+    #: the linear's bias (a 1-D weight of the output's width), added in the kernel
+    bias: Optional[torch.fx.Node] = None
     norm: Optional[tuple[torch.fx.Node, float]] = None  # (norm weight, eps)
     gate_first: Optional[bool] = None  # set when the gated epilogue applies
     residual: Optional[torch.fx.Node] = None
@@ -246,8 +248,7 @@ def _site(
 
     if not is_call(node, aten.linear.default):
         return None
-    if (len(node.args) > 2 and node.args[2] is not None) or node.kwargs.get("bias") is not None:
-        return None
+    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
     x, w = node.args[0], node.args[1]
     quant = _quantized_weight(w, weights)
     if quant is None and not (isinstance(w, torch.fx.Node) and w.op == "placeholder" and w.name in weights):
@@ -257,6 +258,12 @@ def _site(
         return None
     if wv.dim() != 2 or (quant is None and wv.stride(1) != 1):
         return None  # the kernel reads row-major weights
+    if bias is not None:
+        bv = tensor_value(bias)
+        if not (isinstance(bias, torch.fx.Node) and bias.op == "placeholder" and bias.name in weights):
+            return None
+        if bv is None or tuple(bv.shape) != (wv.shape[0],) or bv.dtype != wv.dtype:
+            return None
     q = quant is not None
     plain = gemv_applies(tuple(xv.shape), tuple(wv.shape), quantized=q)
     gated = _match_gated(node) if gemv_applies(tuple(xv.shape), tuple(wv.shape), gated=True, quantized=q) else None
@@ -265,7 +272,7 @@ def _site(
     for use_norm, use_gated, use_residual in itertools.product((1, 0), repeat=3):
         if (use_gated and gated is None) or (not use_gated and not plain):
             continue
-        site = _Site(linear=node, x=x, weight=w, last=node)
+        site = _Site(linear=node, x=x, weight=w, last=node, bias=bias)
         if quant is not None:
             site.weight, site.quant = quant[0], quant[1:]
         if use_gated:
@@ -306,7 +313,7 @@ def decode_gemv(ep: ExportedProgram, device_types: tuple[str, ...] = ("cuda",)) 
         norm_weight, eps = site.norm if site.norm else (None, 0.0)
         scales, zeros, group = site.quant if site.quant else (None, None, 0)
         args = (site.x, site.weight, norm_weight, eps, site.residual, site.gate_first is not None,
-                site.gate_first is not False, scales, zeros, group)
+                site.gate_first is not False, scales, zeros, group, site.bias)
         args = tuple(replaced.get(a, a) if isinstance(a, torch.fx.Node) else a for a in args)
         with graph.inserting_before(site.last):
             node = graph.call_function(gemv, args)
