@@ -5,6 +5,7 @@ L2), captured in one CUDA graph and replayed: the median replay over 16 is one c
 decode step pays it. Per shape, side by side: bf16 through cuBLAS (``F.linear``) and through this
 project's GEMV (``kernels/triton_gemv.py``, where its width limit admits it), int8 and int4
 (group 128) through the same GEMV with its folds (default launch configuration and a few others),
+both forms of dequantization (per value, the default; per row or group, ``"dequant": "group"``),
 and, for int4 without folds, tinygemm (``aten._weight_int4pack_mm``, the kernel gpt-fast's int4
 path uses) as the contender. The step sums 16 layers of each projection plus the lm_head; the
 floor is the weights' bytes at the measured device copy rate.
@@ -15,6 +16,7 @@ floor is the weights' bytes at the measured device copy rate.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -92,10 +94,11 @@ def main() -> None:
                                    group_size=group or 0)
 
             row["us"][f"gemv_{scheme}"] = replay_us(run, copies)
-            for bn, bk, warps in CONFIGS:
-                config = {"kernel": "rows", "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps}
+            row["us"][f"gemv_{scheme}_bygroup"] = replay_us(lambda: run(tg._config(k, gated, True) | {"dequant": "group"}), copies)
+            for (bn, bk, warps), dequant in itertools.product(CONFIGS, ("value", "group")):
+                config = {"kernel": "rows", "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "dequant": dequant}
                 try:
-                    row["us"][f"gemv_{scheme}_{bn}x{bk}w{warps}"] = replay_us(lambda: run(config), copies)
+                    row["us"][f"gemv_{scheme}_{dequant}_{bn}x{bk}w{warps}"] = replay_us(lambda: run(config), copies)
                 except Exception as exc:  # noqa: BLE001 - a configuration may not compile; say so
                     print(f"  {name} {scheme} {config}: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
             if scheme == "int4" and not gated:
@@ -121,7 +124,7 @@ def main() -> None:
         del ws
         torch.cuda.empty_cache()
     step = {}
-    for variant in ("cublas_bf16", "gemv_bf16", "gemv_int8", "gemv_int4", "tinygemm_int4"):
+    for variant in ("cublas_bf16", "gemv_bf16", "gemv_int8", "gemv_int4", "gemv_int8_bygroup", "gemv_int4_bygroup", "tinygemm_int4"):
         total = 0.0
         for row in rows:
             us = row["us"].get(variant) or row["us"].get("gemv_bf16" if variant == "gemv_bf16" else "cublas_bf16")

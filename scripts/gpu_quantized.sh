@@ -9,7 +9,7 @@ OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv | tee "$OUT/summary.txt"
-timeout -k 5 170 python3 scripts/bench_quantized_gemv.py --out "$OUT/quantized_gemv.json" > "$OUT/bench.log" 2>&1
+timeout -k 5 ${BENCH_BUDGET_S:-300} python3 scripts/bench_quantized_gemv.py --out "$OUT/quantized_gemv.json" > "$OUT/bench.log" 2>&1
 echo "bench rc $?" | tee -a "$OUT/summary.txt"
 tail -3 "$OUT/bench.log" >> "$OUT/summary.txt"
 timeout -k 5 ${TEST_BUDGET_S:-380} python3 -m pytest -q -m cuda tests/test_quantized_gemv.py tests/test_quantize.py -p no:cacheprovider \

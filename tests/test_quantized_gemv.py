@@ -29,15 +29,20 @@ def test_quantized_gemv_interpreter_suite():
 
 
 @interpreter_only
+@pytest.mark.parametrize("dequant", ["value", "group"])
 @pytest.mark.parametrize("scheme,group", SCHEMES)
 @pytest.mark.parametrize("norm, gated, gate_first, residual", FOLDS)
 @pytest.mark.parametrize("n, k", [(40, 256), (96, 1152)])  # 1152: a partial last chunk of columns
-def test_interp_quantized_gemv_matches_the_float_folds_over_w_prime(n, k, norm, gated, gate_first, residual, scheme, group):
-    from offgraph_export.kernels.triton_gemv import triton_gemv
+def test_interp_quantized_gemv_matches_the_float_folds_over_w_prime(n, k, norm, gated, gate_first, residual, scheme, group, dequant):
+    """Both dequantization forms (per value, the default; per row or group, the candidate a sweep
+    times) against the float folds over ``W'`` (fp32: rounding ``W'`` to the dtype is exact)."""
+    from offgraph_export.kernels.triton_gemv import _config, gemv_launch
 
     x, w, nw, res = _fold_inputs(n, k, torch.float32, norm, gated, residual)
     stored, w_prime = _quantized(w, scheme, group)
-    got = triton_gemv(x, stored.qweight, nw, 1e-5, res, gated, gate_first, stored.scales, stored.zeros, group or 0)
+    config = _config(k, gated, quantized=True) | {"dequant": dequant}
+    got = gemv_launch(x, stored.qweight, nw, 1e-5, res, gated, gate_first, config, scales=stored.scales,
+                      zeros=stored.zeros, group_size=group or 0)
     want = _eager_folds(x, w_prime, nw, 1e-5, res, gated, gate_first)
     assert got.shape == want.shape and got.dtype == torch.float32
     torch.testing.assert_close(got, want, atol=3e-5, rtol=3e-5)

@@ -136,10 +136,48 @@ def _products(w_ptr, s_ptr, z_ptr, w_rows, s_rows, row_ok, k0, K, xa, xb, dt: tl
 
 
 @triton.jit
+def _int4_group_sums(w_ptr, s_ptr, z_ptr, w_rows, s_rows, row_ok, k0, K, xa, xb,
+                     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """int4 products dequantized per group rather than per value: ``s * sum((q - 8) * x) + z *
+    sum(x)`` over each group of the chunk (``[BLOCK_N, BLOCK_K // GROUP]``), the same value as the
+    per-value form up to ``W'``'s rounding to the output dtype, with two multiplies a group instead
+    of three operations and two casts a value."""
+    half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    even = 2 * half
+    ok = row_ok[:, None] & (even < K)[None, :]
+    b = tl.load(w_ptr + w_rows[:, None] + half[None, :], mask=ok, other=0)
+    p = ((b & 15).to(tl.float32) - 8.0) * xa[None, :] + ((b >> 4).to(tl.float32) - 8.0) * xb[None, :]
+    sums = tl.sum(tl.reshape(p, (BLOCK_N, BLOCK_K // GROUP, GROUP // 2)), axis=2)
+    xsum = tl.sum(tl.reshape(xa + xb, (BLOCK_K // GROUP, GROUP // 2)), axis=1)
+    groups = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+    gok = row_ok[:, None] & (groups * GROUP < K)[None, :]
+    s = tl.load(s_ptr + s_rows[:, None] + groups[None, :], mask=gok, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + s_rows[:, None] + groups[None, :], mask=gok, other=0.0).to(tl.float32)
+    return sums * s + z * xsum[None, :]
+
+
+@triton.jit
+def _chunk(w_ptr, s_ptr, z_ptr, w_rows, s_rows, row_ok, k0, K, xa, xb, dt: tl.constexpr, QUANT: tl.constexpr,
+           GROUP: tl.constexpr, BY_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One chunk's contribution to the accumulator: per value (:func:`_products`), or with
+    BY_GROUP the int8 products before their row's scale (applied once to the row's sum) and the
+    int4 per-group sums (:func:`_int4_group_sums`)."""
+    if BY_GROUP and QUANT == 4:
+        return _int4_group_sums(w_ptr, s_ptr, z_ptr, w_rows, s_rows, row_ok, k0, K, xa, xb, GROUP, BLOCK_N, BLOCK_K)
+    elif BY_GROUP and QUANT == 8:
+        cols = k0 + tl.arange(0, BLOCK_K)
+        ok = row_ok[:, None] & (cols < K)[None, :]
+        q = tl.load(w_ptr + w_rows[:, None] + cols[None, :], mask=ok, other=0)
+        return q.to(tl.float32) * xa[None, :]
+    else:
+        return _products(w_ptr, s_ptr, z_ptr, w_rows, s_rows, row_ok, k0, K, xa, xb, dt, QUANT, GROUP, BLOCK_K)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, s_ptr, z_ptr, b_ptr, N, K, stride_wn, stride_sn, gate_offset, up_offset, eps,
     NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
-    BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC_K: tl.constexpr,
+    BIAS: tl.constexpr, BY_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC_K: tl.constexpr,
 ):
     """Program p: output features ``[p * BLOCK_N, (p + 1) * BLOCK_N)``, each the dot product of
     one contiguous weight row (two when GATED) with ``x``, read ``BLOCK_K`` columns at a time
@@ -172,17 +210,21 @@ def _gemv_kernel(
         else:
             xa = _x_at(x_ptr, norm_ptr, k0 + tl.arange(0, BLOCK_K), K, rstd, dt, NORM)
             xb = xa
-        acc += _products(w_ptr, s_ptr, z_ptr, gate_rows * stride_wn, gate_rows * stride_sn, row_ok, k0, K, xa, xb,
-                         dt, QUANT, GROUP, BLOCK_K)
+        acc += _chunk(w_ptr, s_ptr, z_ptr, gate_rows * stride_wn, gate_rows * stride_sn, row_ok, k0, K, xa, xb,
+                      dt, QUANT, GROUP, BY_GROUP, BLOCK_N, BLOCK_K)
         if GATED:
-            acc_up += _products(w_ptr, s_ptr, z_ptr, up_rows * stride_wn, up_rows * stride_sn, row_ok, k0, K, xa, xb,
-                                dt, QUANT, GROUP, BLOCK_K)
+            acc_up += _chunk(w_ptr, s_ptr, z_ptr, up_rows * stride_wn, up_rows * stride_sn, row_ok, k0, K, xa, xb,
+                             dt, QUANT, GROUP, BY_GROUP, BLOCK_N, BLOCK_K)
     proj = tl.sum(acc, axis=1)
+    if BY_GROUP and QUANT == 8:  # the row's scale, once
+        proj = proj * tl.load(s_ptr + gate_rows, mask=row_ok, other=0.0).to(tl.float32)
     if BIAS:
         proj += tl.load(b_ptr + gate_rows, mask=row_ok, other=0.0).to(tl.float32)
     up = proj
     if GATED:
         up = tl.sum(acc_up, axis=1)
+        if BY_GROUP and QUANT == 8:
+            up = up * tl.load(s_ptr + up_rows, mask=row_ok, other=0.0).to(tl.float32)
         if BIAS:
             up += tl.load(b_ptr + up_rows, mask=row_ok, other=0.0).to(tl.float32)
     _finish(proj, up, out_ptr, res_ptr, rows, row_ok, GATED, RESIDUAL)
@@ -278,7 +320,8 @@ def _gemv(
 def gemv_launch(x, w, norm_weight=None, eps=0.0, residual=None, gated=False, gate_first=True,
                 config: Optional[dict] = None, scales=None, zeros=None, group_size: int = 0, bias=None) -> torch.Tensor:
     """The op's body; ``config`` overrides :func:`_config` (``scripts/sweep_decode_kernels.py``
-    calls this eagerly to sweep launch configurations). With ``scales`` the weight is quantized
+    calls this eagerly to sweep launch configurations; ``"dequant": "group"`` in it dequantizes per
+    row (int8) or group (int4) instead of per value, :func:`_chunk`: not the default until timed). With ``scales`` the weight is quantized
     (design section 11): int8 ``[N, K]`` and scales ``[N]``, or with ``zeros`` and ``group_size``
     int4 ``[N, K / 2]`` and scales and zeros ``[N, K / group_size]``. ``bias``: ``[N]``, the
     linear's (Qwen-style q/k/v projections)."""
@@ -332,10 +375,12 @@ def gemv_launch(x, w, norm_weight=None, eps=0.0, residual=None, gated=False, gat
         s_arg = scales if quant else flat
         z_arg = zeros if quant else flat
         b_arg = bias if bias is not None else flat
+        by_group = bool(quant) and config.get("dequant", "value") == "group"
+        acc_k = block_k // group_size if by_group and quant == 4 else block_k // 2 if quant == 4 else block_k
         args = (flat, w, out, norm, res, s_arg, z_arg, b_arg, n_out, k, w.stride(0), stride_sn, gate_offset, up_offset, eps)
         torch.library.wrap_triton(_gemv_kernel)[(tiles, 1, 1)](
-            *args, QUANT=quant, GROUP=max(group_size, 1), BIAS=bias is not None, BLOCK_K=block_k,
-            ACC_K=block_k // 2 if quant == 4 else block_k, **flags,
+            *args, QUANT=quant, GROUP=max(group_size, 1), BIAS=bias is not None, BY_GROUP=by_group, BLOCK_K=block_k,
+            ACC_K=acc_k, **flags,
         )
     return out
 
