@@ -499,6 +499,10 @@ def run(artifact, prompts, prompts_file, tokens, max_new_tokens, model_factory, 
     else:
         all_ids = [ids]
     loaded = load_artifact(artifact, single_threaded=cuda_graphs)
+    load_s = getattr(loaded, "load_s", None)  # a .pt2's (a .pte records none)
+    if load_s:
+        stages = ", ".join(f"{k} {v:.1f}s" for k, v in getattr(loaded, "load_seconds", {}).items())
+        _say(f"loaded in {load_s:.1f}s ({stages})")
     if batched:
         rows = _run_batched(loaded, all_ids, max_new_tokens, cuda_graphs, temperature, top_k, seed)
     else:

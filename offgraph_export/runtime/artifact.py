@@ -22,7 +22,7 @@ from typing import IO
 import torch
 
 from offgraph_export.errors import ArtifactError, SpecError
-from offgraph_export.runtime.weights import load_method_weights
+from offgraph_export.runtime.weights import load_method_weights, verify_unnamed_weight_files
 from offgraph_export.specs.archive import check_archive, check_pt2_layout, regular_file
 from offgraph_export.specs.artifact import (
     DECODE_METHOD,
@@ -117,6 +117,7 @@ class Artifact:
         if specs.device == "cuda" and not torch.cuda.is_available():
             raise ArtifactError(f"{path} was compiled for cuda but no CUDA device is available")
         check_pt2_layout(names, str(path), specs.methods)
+        verify_unnamed_weight_files(pinned, specs.methods)  # before any code loads; the rest as read
         clock.stage("archive")
         try:
             from torch.export.pt2_archive._package import load_pt2

@@ -53,6 +53,7 @@ from offgraph_export.specs.limits import MAX_JSON_BYTES, MAX_TENSOR_FILE_OVERHEA
 __all__ = [
     "WeightView",
     "load_method_weights",
+    "verify_unnamed_weight_files",
 ]
 
 
@@ -162,6 +163,41 @@ def _read_tensor_file(archive: BinaryIO, member: ArchiveMember, bound: int, sour
     return data
 
 
+def _method_configs(archive: BinaryIO, members: Mapping[str, ArchiveMember], root: str, methods: list[str],
+                    source: str) -> dict[str, dict[str, WeightView]]:
+    configs = {}
+    for method in methods:
+        entry = f"{root}{AOTI_DIR}{method}/weights_config.json"
+        if entry not in members:
+            raise ArtifactError(
+                f"{source}: method {method!r} has no weights config ({entry}); re-export it "
+                "with this version of offgraph-export"
+            )
+        configs[method] = _read_config(archive, members[entry], source)
+    return configs
+
+
+def verify_unnamed_weight_files(path: str | os.PathLike, methods: list[str]) -> None:
+    """Verify the checksum of every weight file no method's weights config names (a file the
+    weight reader will never load), before any code of the package is loaded: a hostile member
+    hidden there is refused as early as a bad code member. The named ones are verified as they are
+    read (:func:`load_method_weights`), so each byte is still read once."""
+    source = str(path)
+    try:
+        with open(regular_file(path), "rb") as archive:
+            members = {member.name: member for member in checked_members(archive, source)}
+            root = archive_root(list(members), source)
+            named = {view.file for views in _method_configs(archive, members, root, methods, source).values()
+                     for view in views.values()}
+            for name, member in members.items():
+                if is_weight_member(name) and name[len(root) + len(WEIGHTS_DIR):] not in named:
+                    verify_member(archive, member, source)
+    except ArtifactError:
+        raise
+    except (OSError, *UNREADABLE_MEMBER) as exc:
+        raise ArtifactError(f"{source}: cannot read the weights: {exc}") from exc
+
+
 def load_method_weights(
     path: str | os.PathLike,
     methods: list[str],
@@ -176,25 +212,14 @@ def load_method_weights(
         with open(regular_file(path), "rb") as archive:
             members = {member.name: member for member in checked_members(archive, source)}
             root = archive_root(list(members), source)
-            configs = {}
-            for method in methods:
-                entry = f"{root}{AOTI_DIR}{method}/weights_config.json"
-                if entry not in members:
-                    raise ArtifactError(
-                        f"{source}: method {method!r} has no weights config ({entry}); re-export it "
-                        "with this version of offgraph-export"
-                    )
-                configs[method] = _read_config(archive, members[entry], source)
+            configs = _method_configs(archive, members, root, methods, source)
             bounds: dict[str, int] = {}  # every file named and sized before any is read
             for file, needed in _needed_bytes(configs, constants, source).items():
                 entry = f"{root}{WEIGHTS_DIR}{file}"
                 if entry not in members:
                     raise ArtifactError(f"{source}: a weights config names {file!r}, which the archive lacks")
                 bounds[file] = _check_tensor_file_size(members[entry], needed, source)
-            # a weight file no config names is never loaded; its checksum is still this reader's
-            for name, member in members.items():
-                if is_weight_member(name) and name[len(root) + len(WEIGHTS_DIR):] not in bounds:
-                    verify_member(archive, member, source)
+            # a weight file no config names is never loaded: verify_unnamed_weight_files checked it
             files: dict[str, torch.Tensor] = {}
             for views in configs.values():
                 for view in views.values():
