@@ -10,7 +10,8 @@ and, for int4 without folds, tinygemm (``aten._weight_int4pack_mm``, the kernel 
 path uses) as the contender. The step sums 16 layers of each projection plus the lm_head; the
 floor is the weights' bytes at the measured device copy rate.
 
-    python scripts/bench_quantized_gemv.py --out quantized_gemv.json
+    python scripts/bench_quantized_gemv.py --out quantized_gemv.json     # measures, writes report.md beside it
+    python scripts/bench_quantized_gemv.py --report quantized_gemv.json  # report.md from a recorded run
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import time
+from pathlib import Path
 
 import torch
+
+from bench_attention import time_ms  # scripts/, the script's own folder
 
 from offgraph_export.kernels import triton_gemv as tg
 from offgraph_export.reference.weight_quant import quantize
@@ -41,20 +44,7 @@ GROUP = 128
 
 def replay_us(fn, calls: int, reps: int = 25) -> float:
     """Median replay of ``fn`` captured in a CUDA graph, per call, in us."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+    return time_ms(fn, reps) * 1e3 / calls
 
 
 def copy_rate() -> float:
@@ -64,10 +54,54 @@ def copy_rate() -> float:
     return 2 * a.numel() / (us * 1e-6)
 
 
+VARIANTS = {  # step variant: the weights it reads
+    "cublas_bf16": "bf16", "gemv_bf16": "bf16", "gemv_int8": "int8", "gemv_int8_bygroup": "int8",
+    "gemv_int4": "int4", "gemv_int4_bygroup": "int4", "tinygemm_int4": "int4",
+}
+
+
+def report(data: dict) -> str:
+    """report.md: per projection us per call, and the step (16 layers + lm_head) in us beside its
+    % of the floor (the bytes that variant reads at the run's copy rate)."""
+    rate = data["copy_bytes_per_s"]
+    lines = [
+        "# Decode GEMV over quantized weights, Llama-3.2-1B shapes",
+        "",
+        f"{data['device']}, torch {data['torch']}; copy rate {rate / 1e12:.2f} TB/s (one graph-replayed 1 GiB copy, "
+        "read + write). One projection of 16 layers (lm_head: of several copies) in one CUDA graph, median us per call.",
+        "",
+        "| projection | " + " | ".join(VARIANTS) + " |",
+        "|---|" + "---|" * len(VARIANTS),
+    ]
+    for row in data["rows"]:
+        shape = row["shape"].replace("|", "\\|")
+        lines.append(f"| {shape} | " + " | ".join(
+            f"{row['us'][v]:.2f}" if v in row["us"] else "-" for v in VARIANTS) + " |")
+    lines += ["", "| step: 16 layers + lm_head | us | weight bytes | floor us | % of floor |", "|---|---|---|---|---|"]
+    for variant, weights in VARIANTS.items():
+        if variant not in data["step_us"]:
+            continue
+        us, floor = data["step_us"][variant], data["floor_us"][weights]
+        lines.append(f"| {variant} | {us:,.1f} | {data['weight_bytes'][weights] / 1e9:.3f} GB | {floor:,.1f} | {100 * floor / us:.0f}% |")
+    lines += ["", "A bf16 step at or above 100% of the floor means the copy rate read here is below what the card's "
+              "weight reads reach: compare the variants with each other first."]
+    lines += ["", "Command: `python scripts/bench_quantized_gemv.py --out quantized_gemv.json` (in `scripts/gpu_quantized.sh`)."]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", help="measure on the GPU and write the JSON here (report.md beside it)")
+    parser.add_argument("--report", help="only render report.md beside this recorded JSON")
     args = parser.parse_args()
+    if args.report:
+        with open(args.report) as f:
+            data = json.load(f)
+        with open(Path(args.report).with_name("report.md"), "w") as f:
+            f.write(report(data))
+        return
+    if not args.out:
+        parser.error("give --out (measure) or --report (render a recorded run)")
     started = time.time()
     rate = copy_rate()
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__}; copy rate {rate / 1e12:.2f} TB/s", flush=True)
@@ -142,6 +176,8 @@ def main() -> None:
     print("floor us:", {key: round(v, 1) for key, v in floor.items()})
     with open(args.out, "w") as f:
         json.dump(out, f, indent=2)
+    with open(Path(args.out).with_name("report.md"), "w") as f:
+        f.write(report(out))
 
 
 if __name__ == "__main__":

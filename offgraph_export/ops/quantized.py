@@ -20,12 +20,17 @@ from offgraph_export.reference.weight_quant import dequantize_graph
 __all__ = ["dequantize_weight", "DECOMPOSITIONS"]
 
 
+def _aten_form(qweight, scales, zeros, group_size, dtype):
+    """The op in aten ops: its eager body and its decomposition."""
+    return dequantize_graph(qweight, scales, zeros, group_size or None, dtype)
+
+
 @torch.library.custom_op("offgraph::dequantize_weight", mutates_args=())
 def dequantize_weight(
     qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], group_size: int, dtype: torch.dtype,
 ) -> torch.Tensor:
     """``W'`` of the stored form (int8: ``zeros`` None, ``group_size`` 0; int4: both given)."""
-    return dequantize_graph(qweight, scales, zeros, group_size or None, dtype)
+    return _aten_form(qweight, scales, zeros, group_size, dtype)
 
 
 @dequantize_weight.register_fake
@@ -34,9 +39,5 @@ def _(qweight, scales, zeros, group_size, dtype):
     return qweight.new_empty((qweight.shape[0], k), dtype=dtype)
 
 
-def _decomposed(qweight, scales, zeros, group_size, dtype):
-    return dequantize_graph(qweight, scales, zeros, group_size or None, dtype)
-
-
 #: what ``functionalize`` decomposes into aten ops before lowering
-DECOMPOSITIONS = {torch.ops.offgraph.dequantize_weight.default: _decomposed}
+DECOMPOSITIONS = {torch.ops.offgraph.dequantize_weight.default: _aten_form}

@@ -28,8 +28,7 @@ import torch
 from torch import fx
 from torch.export import ExportedProgram
 
-from offgraph_export.errors import ExportError
-from offgraph_export.passes.graph_utils import attr_tensor, drop_unused_attrs, input_dynamic_shapes, no_write_between
+from offgraph_export.passes.graph_utils import attr_tensor, no_write_between, retrace_rewritten
 from offgraph_export.passes.result import PassResult
 
 __all__ = ["fuse_projections", "fused_weight_name"]
@@ -129,13 +128,5 @@ def fuse_projections(ep: ExportedProgram, example_inputs: Sequence[torch.Tensor]
         replaced.update(str(b.target) for b in bias_nodes if isinstance(b, fx.Node))
         for node in linears:
             graph.erase_node(node)
-    graph.eliminate_dead_code()
-    drop_unused_attrs(gm, replaced)
-    gm.recompile()
-    try:
-        new_ep = torch.export.export(
-            gm, tuple(example_inputs), dynamic_shapes=tuple(input_dynamic_shapes(ep)), strict=False
-        )
-    except Exception as exc:  # export raises many types; keep the cause chained
-        raise ExportError(f"re-tracing the program with fused projections failed: {exc}") from exc
-    return PassResult(new_ep, modified=True, produced=fused_names)
+    return PassResult(retrace_rewritten(gm, ep, example_inputs, replaced, "fused projections"), modified=True,
+                      produced=fused_names)

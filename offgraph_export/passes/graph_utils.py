@@ -21,6 +21,7 @@ __all__ = [
     "ASSERT_METADATA",
     "attr_tensor",
     "drop_unused_attrs",
+    "retrace_rewritten",
     "binary_operands",
     "drop_dead",
     "is_call",
@@ -167,6 +168,22 @@ def drop_unused_attrs(gm: torch.fx.GraphModule, targets: set[str]) -> None:
         owner_path, _, name = target.rpartition(".")
         owner = gm.get_submodule(owner_path) if owner_path else gm
         delattr(owner, name)
+
+
+def retrace_rewritten(
+    gm: torch.fx.GraphModule, ep: ExportedProgram, example_inputs, replaced: set[str], what: str,
+) -> ExportedProgram:
+    """``ep.module()`` after a rewrite of its graph, as a program again: dead code and the
+    attributes in ``replaced`` that nothing reads any more dropped, then re-traced with
+    ``torch.export`` and ``ep``'s own dynamic shapes, so the graph signature is export's own.
+    ``what`` names the rewrite in the error a failed trace raises."""
+    gm.graph.eliminate_dead_code()
+    drop_unused_attrs(gm, replaced)
+    gm.recompile()
+    try:
+        return torch.export.export(gm, tuple(example_inputs), dynamic_shapes=tuple(input_dynamic_shapes(ep)), strict=False)
+    except Exception as exc:  # export raises many types; keep the cause chained
+        raise ExportError(f"re-tracing the program with {what} failed: {exc}") from exc
 
 
 def tensor_value(node: object) -> Optional[torch.Tensor]:

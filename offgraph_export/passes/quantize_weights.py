@@ -27,7 +27,7 @@ from torch import fx
 from torch.export import ExportedProgram
 
 from offgraph_export.errors import ExportError, OffgraphError
-from offgraph_export.passes.graph_utils import attr_tensor, drop_unused_attrs, input_dynamic_shapes
+from offgraph_export.passes.graph_utils import attr_tensor, retrace_rewritten
 from offgraph_export.passes.result import PassResult
 from offgraph_export.ops.quantized import dequantize_weight
 from offgraph_export.reference.weight_quant import QuantizedTensors, quantize
@@ -111,14 +111,5 @@ def quantize_weights(
             name=target, sources=list((sources or {}).get(target, [target])), shape=list(weight.shape), shared=shared,
         ))
         replaced.add(target)
-    graph.eliminate_dead_code()
-    drop_unused_attrs(gm, replaced)
-    gm.recompile()
     spec = QuantizationSpec(scheme=scheme, group_size=group_size if scheme == "int4" else None, weights=records)  # type: ignore[arg-type]
-    try:
-        new_ep = torch.export.export(
-            gm, tuple(example_inputs), dynamic_shapes=tuple(input_dynamic_shapes(ep)), strict=False
-        )
-    except Exception as exc:  # export raises many types; keep the cause chained
-        raise ExportError(f"re-tracing the program with quantized weights failed: {exc}") from exc
-    return PassResult(new_ep, modified=True, produced=spec)
+    return PassResult(retrace_rewritten(gm, ep, example_inputs, replaced, "quantized weights"), modified=True, produced=spec)
