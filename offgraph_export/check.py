@@ -26,6 +26,7 @@ from pydantic import BaseModel, Field
 
 from offgraph_export.errors import CheckFailed, OffgraphError, first_line
 from offgraph_export.frontends import load_bundle
+from offgraph_export.frontends.torchao_weights import oracle_split
 from offgraph_export.models import ModelBundle
 from offgraph_export.reference.oracle import HeldRows, Oracle
 from offgraph_export.reference.weight_quant import dequantized_weights
@@ -314,8 +315,15 @@ def _tolerance(dtype: torch.dtype) -> tuple[float, float]:
 def _oracle_weights(model: torch.nn.Module, specs: ArtifactSpecs, report: CheckReport) -> Iterator[None]:
     """The eager model with the artifact's weights for the block: where the artifact stores them
     quantized, each replaced by its dequantized values (design section 11) and put back after, so
-    the tolerances stay the model dtype's and the caller's model is left as it was."""
+    the tolerances stay the model dtype's and the caller's model is left as it was. Weights the
+    model holds as torchao tensors stay as they are: torchao computes them (section 11)."""
     spec = specs.quantization
+    if spec is None:
+        yield
+        return
+    torchao, spec = oracle_split(model, spec)
+    if torchao:
+        report.notes.append(f"oracle: the eager model's {torchao} torchao-quantized weights as torchao computes them")
     if spec is None:
         yield
         return

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,9 @@ from torch.export import ExportedProgram
 
 from offgraph_export.compat import dynamic_dim
 from offgraph_export.errors import ExportError
+from offgraph_export.frontends.torchao_weights import (
+    convert_torchao_weights, export_scheme, float_stand_ins, torchao_parameters,
+)
 from offgraph_export.lowering.aoti import compile_package
 from offgraph_export.kernels.step_impls import StepImpl, step_impl_name
 from offgraph_export.models import ModelBundle
@@ -42,6 +46,7 @@ from offgraph_export.passes.split_to_slices import split_to_slices
 from offgraph_export.passes.specialize_width import specialize_width
 from offgraph_export.passes.strip_kv_cache import strip_kv_cache
 from offgraph_export.passes.validate import validate_kv_sites
+from offgraph_export.reference.weight_quant import QuantizedTensors
 from offgraph_export.specs.artifact import DECODE_METHOD, SESSIONS_METHOD, STEP_METHOD, ArtifactSpecs, SymbolRange
 from offgraph_export.specs.cache_config import CacheConfig
 from offgraph_export.specs.manifest import CacheManifest
@@ -132,7 +137,16 @@ def export_model(
     token_dims: Sequence[int | None],
     max_width: int,
 ) -> ExportedProgram:
-    """``torch.export`` with the token dimension of each input dynamic in ``[1, max_width]``."""
+    """``torch.export`` with the token dimension of each input dynamic in ``[1, max_width]``. A
+    model holding torchao-quantized weights is refused here: :func:`export_and_lower` (and the
+    CLI) takes them into the stored form (design section 11)."""
+    held = torchao_parameters(model)
+    if held:
+        name, value = next(iter(held.items()))
+        raise ExportError(
+            f"{name} is a torchao {type(value).__name__}: export_model traces float weights; export a model quantized "
+            "with torchao through export_and_lower or the CLI, which store its weights as they are (design section 11)"
+        )
     width = dynamic_dim(1, max_width)
     shapes = tuple({d: width} if d is not None else {} for d in token_dims)
     try:
@@ -180,6 +194,8 @@ def run_passes(
     quantize: str = "none",
     group_size: int | None = None,
     progress: Progress = _noop,
+    stored: Mapping[str, QuantizedTensors] | None = None,
+    quantize_others: bool = True,
 ) -> StrippedProgram:
     """validate -> record step width -> record positions -> bound table indices -> fuse
     projections (``fuse``) -> quantize weights (``quantize``: ``int8`` or ``int4`` with
@@ -188,6 +204,9 @@ def run_passes(
     attention kernel (``decode_rope``) -> functionalize: the decode
     method (``decode_method``)] [and, for a batched program, re-trace -> one row per session ->
     functionalize: the sessions method (``decode_sessions``)].
+
+    ``stored``: weights quantized already (a torchao model's, by model parameter name), stored as
+    they are by the quantize pass; ``quantize_others``: whether it quantizes the other linears too.
 
     ``step_impl``: ``portable``, ``triton``, or a callable with the signature of
     ``portable_update_and_attend`` (recorded in the specs by its ``__name__``). Each pass's time
@@ -210,7 +229,8 @@ def run_passes(
         ("bound_table_indices", bound_table_indices),
         *([("fuse_projections", lambda p: fuse_projections(p, example_inputs))] if fuse else []),
         *([("quantize_weights", lambda p: quantize_weights(
-            p, example_inputs, quantize, group_size, _fused_sources(results.get("fuse_projections"))))]
+            p, example_inputs, quantize, group_size, _fused_sources(results.get("fuse_projections")),
+            stored, quantize_others))]
           if quantize != "none" else []),
         ("build_manifest", lambda p: build_manifest(p, cache_config)),
         (
@@ -324,7 +344,11 @@ def export_and_lower(
     model is exported for inference: its parameters stop requiring grad. ``options`` (or, for
     short, its fields as keywords: ``device="cuda"``) are resolved by
     :meth:`ExportOptions.resolve` (per-device defaults, every compatibility rule) before anything
-    is traced. ``model``, ``model_args``, ``model_dtype``: recorded in the specs for check/run."""
+    is traced. A model whose linears are quantized with torchao's weight-only configs keeps their
+    values: they are converted to the stored form, the model traced with their dequantized values
+    and the quantize pass stores them, recorded as ``quantize`` would (design section 11;
+    ``frontends/torchao_weights.py``). ``model``, ``model_args``, ``model_dtype``: recorded in the
+    specs for check/run."""
     if options is not None and option_fields:
         raise OptionError(f"give export options either as options= or as keywords, not both ({sorted(option_fields)})", "--help")
     wanted = options if options is not None else ExportOptions.parse(**option_fields)
@@ -332,11 +356,17 @@ def export_and_lower(
     device = resolved.export_device
     model_info = {"model": model, "model_args": model_args or {}, "model_dtype": model_dtype}
     module = bundle.model.to(device).requires_grad_(False)
+    quantize, group_size, quantize_others = resolved.quantize, resolved.group_size, True
+    torchao = convert_torchao_weights(module)
+    if torchao is not None:
+        quantize, group_size, quantize_others = export_scheme(torchao, resolved.quantize, wanted.group_size, resolved.format == "pt2")
+        progress(f"{len(torchao.stored)} torchao weights taken as they are ({torchao.described})")
     inputs = _fit_width(bundle.example_inputs, bundle.token_dims, bundle.cache_config.max_write, device)
     timings: dict[str, float] = {}
     progress("exporting")
     t0 = time.perf_counter()
-    ep = export_model(module, inputs, bundle.token_dims, bundle.cache_config.max_write)
+    with float_stand_ins(module, torchao) if torchao is not None else nullcontext():
+        ep = export_model(module, inputs, bundle.token_dims, bundle.cache_config.max_write)
     timings["export_s"] = time.perf_counter() - t0
     progress(f"exported in {timings['export_s']:.1f}s")
     progress(f"running passes (step impl: {resolved.step_impl})")
@@ -344,8 +374,8 @@ def export_and_lower(
     program = run_passes(
         ep, inputs, bundle.cache_config, resolved.step_impl, fuse=resolved.fuse_projections,
         decode_method=resolved.decode_method, decode_gemv=resolved.decode_gemv, decode_rope=resolved.decode_rope,
-        decode_sessions=resolved.decode_sessions, quantize=resolved.quantize, group_size=resolved.group_size,
-        progress=progress,
+        decode_sessions=resolved.decode_sessions, quantize=quantize, group_size=group_size,
+        progress=progress, stored=torchao.stored if torchao is not None else None, quantize_others=quantize_others,
     )
     timings["passes_s"] = time.perf_counter() - t0
     timings.update({f"pass_{name}_s": seconds for name, seconds in program.pass_seconds.items()})

@@ -16,6 +16,11 @@ weight is dropped unless another node reads it (a tied embedding table: ``shared
 module is re-traced with ``torch.export`` and the program's own dynamic shapes, so the graph
 signature is export's own. Produces the :class:`~offgraph_export.specs.quantization.QuantizationSpec`
 the specs record (None when the program has no such linear).
+
+``stored``: weights that arrive quantized already (a model quantized with torchao,
+:mod:`~offgraph_export.frontends.torchao_weights`), by model parameter name, whose float values in the
+program are their ``W'``: they are stored as given, never quantized again (a fused weight's parts
+joined row-wise), and ``others=False`` leaves every other linear float.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from offgraph_export.errors import ExportError, OffgraphError
 from offgraph_export.passes.graph_utils import attr_tensor, retrace_rewritten
 from offgraph_export.passes.result import PassResult
 from offgraph_export.ops.quantized import dequantize_weight
-from offgraph_export.reference.weight_quant import QuantizedTensors, quantize
+from offgraph_export.reference.weight_quant import QuantizedTensors, dequantize, quantize
 from offgraph_export.specs.quantization import QuantizationSpec, QuantizedWeight
 
 __all__ = ["quantize_weights", "QuantizedLinearWeight"]
@@ -82,34 +87,84 @@ def quantize_weights(
     scheme: str,
     group_size: int | None = None,
     sources: Mapping[str, list[str]] | None = None,
+    stored: Mapping[str, QuantizedTensors] | None = None,
+    others: bool = True,
 ) -> PassResult[QuantizationSpec | None]:
     """Quantize every linear's weight as ``scheme`` (``group_size`` for int4). ``sources``: the
     model parameters each program weight was made of where that is not the weight itself (the
-    fused ones, from :func:`~offgraph_export.passes.fuse_projections.fuse_projections`)."""
+    fused ones, from :func:`~offgraph_export.passes.fuse_projections.fuse_projections`). ``stored``:
+    weights quantized already, by model parameter name (the module docstring); ``others``: whether
+    the linears ``stored`` does not name are quantized too."""
     gm = ep.module()
     groups = _weight_linears(gm)
     if not groups:
         return PassResult(ep, modified=False, produced=None)
     graph = gm.graph
+    given = dict(stored or {})
     records: list[QuantizedWeight] = []
     replaced: set[str] = set()
-    for index, (target, linears) in enumerate(groups.items()):
+    used: set[int] = set()
+    for target, linears in groups.items():
         weight = attr_tensor(gm, linears[0].args[1])
         assert weight is not None
-        try:
-            stored = quantize(weight, scheme, group_size, name=target)
-        except OffgraphError as exc:
-            raise ExportError(f"--quantize {scheme}: {exc}") from None
+        names = list((sources or {}).get(target, [target]))
+        if any(n in given for n in names):
+            form = _given_form(target, weight, names, given, scheme, group_size)
+            used.update(id(given[n]) for n in names)
+        elif not others:
+            continue
+        else:
+            try:
+                form = quantize(weight, scheme, group_size, name=target)
+            except OffgraphError as exc:
+                raise ExportError(f"--quantize {scheme}: {exc}") from None
+        index = len(records)
         shared = _read_elsewhere(gm, target, linears)
         module_name = f"offgraph_quant_{index}"
-        gm.add_submodule(module_name, QuantizedLinearWeight(stored, weight.dtype))
+        gm.add_submodule(module_name, QuantizedLinearWeight(form, weight.dtype))
         with graph.inserting_before(linears[0]):
             dequantized = graph.call_module(module_name, ())
         for node in linears:
             node.replace_input_with(node.args[1], dequantized)
-        records.append(QuantizedWeight(
-            name=target, sources=list((sources or {}).get(target, [target])), shape=list(weight.shape), shared=shared,
-        ))
+        records.append(QuantizedWeight(name=target, sources=names, shape=list(weight.shape), shared=shared))
         replaced.add(target)
+    unread = sorted(n for n, form in given.items() if id(form) not in used)
+    if unread:
+        raise ExportError(
+            f"{unread[0]} arrived quantized, but the program does not read it as a linear's weight (aten.linear(x, W)): "
+            "it would be stored float; only linear weights are stored quantized (design section 11)"
+        )
+    if not records:
+        return PassResult(ep, modified=False, produced=None)
     spec = QuantizationSpec(scheme=scheme, group_size=group_size if scheme == "int4" else None, weights=records)  # type: ignore[arg-type]
     return PassResult(retrace_rewritten(gm, ep, example_inputs, replaced, "quantized weights"), modified=True, produced=spec)
+
+
+def _given_form(
+    target: str, weight: torch.Tensor, names: list[str], given: Mapping[str, QuantizedTensors], scheme: str,
+    group_size: int | None,
+) -> QuantizedTensors:
+    """The stored form of program weight ``target`` made of model parameters ``names``, all of
+    them quantized already: theirs joined row-wise, checked to be ``scheme`` and to dequantize to
+    the program's float values (the ``W'`` it was traced with)."""
+    missing = [n for n in names if n not in given]
+    if missing:
+        have = [n for n in names if n in given]
+        raise ExportError(
+            f"{target} fuses {', '.join(names)}: {', '.join(have)} arrived quantized but {', '.join(missing)} did not; "
+            "quantize them alike, or export with --no-fuse-projections"
+        )
+    parts = [given[n] for n in names]
+    for name, part in zip(names, parts):
+        if part.scheme != scheme or part.group_size != (group_size if scheme == "int4" else None):
+            raise ExportError(f"{name} arrived quantized as {part.scheme}, but this export stores {scheme}")
+    form = parts[0] if len(parts) == 1 else QuantizedTensors(
+        scheme,
+        torch.cat([p.qweight for p in parts]),
+        torch.cat([p.scales for p in parts]),
+        None if parts[0].zeros is None else torch.cat([p.zeros for p in parts if p.zeros is not None]),
+        parts[0].group_size,
+    )
+    if form.scales.dtype != weight.dtype or not torch.equal(dequantize(form), weight):
+        raise ExportError(f"{target}: the program's weight is not the W' of the quantized {', '.join(names)} it was traced with")
+    return form
