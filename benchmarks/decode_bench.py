@@ -369,6 +369,8 @@ def measure_offgraph(args, floor, name: str) -> dict:
     free0 = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
     artifact = Artifact.load(art, single_threaded=torch.cuda.is_available())
     loaded_bytes = free0 - torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
+    log(f"{name} loaded in {artifact.load_s:.1f} s ({', '.join(f'{k} {v:.1f}' for k, v in artifact.load_seconds.items())}), "
+        f"{loaded_bytes / 1e9:.2f} GB on the device")
     dev = artifact.device
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, min(1000, vocab_size(args.config)), (1, max(args.history) + PREFILL), generator=gen).to(dev)

@@ -35,12 +35,27 @@ from offgraph_export.kernels import triton_gemv as tg
 
 LAYERS = 16
 DT = torch.bfloat16
-GEMV_SHAPES = {  # name: (weight rows N, K, norm, gated, residual)
-    "qkv+norm": (3072, 2048, True, False, False),
-    "o+residual": (2048, 2048, False, False, True),
-    "gate|up+norm+silu*mul": (16384, 2048, True, True, False),
-    "down+residual": (2048, 8192, False, False, True),
+SHAPE_SETS = {  # model shape: {name: (weight rows N, K, norm, gated, residual)}
+    "llama-1b": {
+        "qkv+norm": (3072, 2048, True, False, False),
+        "o+residual": (2048, 2048, False, False, True),
+        "gate|up+norm+silu*mul": (16384, 2048, True, True, False),
+        "down+residual": (2048, 8192, False, False, True),
+    },
+    "llama-8b": {  # benchmarks/configs/llama-3.1-8b
+        "qkv+norm": (6144, 4096, True, False, False),
+        "o+residual": (4096, 4096, False, False, True),
+        "gate|up+norm+silu*mul": (28672, 4096, True, True, False),
+        "down+residual": (4096, 14336, False, False, True),
+    },
+    "qwen-7b": {  # benchmarks/configs/qwen2.5-7b (the sweep leaves the q|k|v bias out)
+        "qkv+norm": (4608, 3584, True, False, False),
+        "o+residual": (3584, 3584, False, False, True),
+        "gate|up+norm+silu*mul": (37888, 3584, True, True, False),
+        "down+residual": (3584, 18944, False, False, True),
+    },
 }
+GEMV_SHAPES = SHAPE_SETS["llama-1b"]
 GEMV_BLOCKS = [(1, 1024), (1, 2048), (2, 512), (2, 1024), (2, 2048), (4, 512), (4, 1024), (4, 2048),
                (8, 256), (8, 512), (8, 1024)]
 HQ, HKV, D = 32, 8, 64
@@ -52,9 +67,11 @@ def graph_us(fn, reps: int = 30) -> float:
     return 1e3 * time_ms(fn, reps) / LAYERS
 
 
-def sweep_gemv(log) -> list[dict]:
+def sweep_gemv(log, shapes: dict = GEMV_SHAPES, only: str | None = None) -> list[dict]:
     rows = []
-    for name, (n, k, norm, gated, residual) in GEMV_SHAPES.items():
+    for name, (n, k, norm, gated, residual) in shapes.items():
+        if only and only not in name:
+            continue
         n_out = n // 2 if gated else n
         x = torch.randn(1, 1, k, device="cuda", dtype=DT)
         ws = [torch.randn(n, k, device="cuda", dtype=DT) / k**0.5 for _ in range(LAYERS)]
@@ -67,7 +84,7 @@ def sweep_gemv(log) -> list[dict]:
                 tg.gemv_launch(x, w, nw, 1e-5, res, gated, True, config)
 
         cublas = graph_us(lambda: [torch.nn.functional.linear(x, w) for w in ws])
-        default = tg._config(k)
+        default = tg._config(k, gated)
         configs = [{"kernel": "rows", "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps}
                    for (bn, bk), warps in itertools.product(GEMV_BLOCKS, (4, 8)) if bk <= k]
         configs += [{"kernel": "tiles", "BLOCK_N": bn, "per_sm": per_sm, "num_warps": warps, "num_stages": stages}
@@ -151,6 +168,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--only", choices=("gemv", "attention"))
+    parser.add_argument("--shapes", choices=sorted(SHAPE_SETS), default="llama-1b", help="the GEMV shapes: which model's projections")
+    parser.add_argument("--projection", help="GEMV: only the projections whose name contains this (e.g. gate)")
     args = parser.parse_args()
     torch.manual_seed(0)
     t0 = time.time()
@@ -166,7 +185,7 @@ def main() -> None:
                 json.dump(result, f, indent=1)
 
     if args.only != "attention":
-        result["gemv"] = sweep_gemv(log)
+        result["gemv"] = sweep_gemv(log, SHAPE_SETS[args.shapes], args.projection)
         save()
     if args.only != "gemv":
         result["attention"] = sweep_attention(log)

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# An 8B-class build, load, check and decode measurement on the GPU machine (issue 27), over two
+# device calls of at most 10 minutes sent back to back (the machine stays warm 30 s; /tmp survives):
+#   scripts/gpu_8b.sh build OUT_DIR     # export with the cuda defaults, each stage timed (export --json)
+#   scripts/gpu_8b.sh measure OUT_DIR   # load time, check against transformers (CUDA graphs), decode at 1k/16k
+# CONFIG (default benchmarks/configs/llama-3.1-8b; random bf16 weights from the config),
+# ART (default /tmp/offgraph_8b), BUILD_BUDGET_S (default 570), MAX_CAPACITY (default 16896).
+set -uo pipefail
+PHASE=${1:?usage: scripts/gpu_8b.sh build|measure OUT_DIR}
+OUT=${2:?usage: scripts/gpu_8b.sh build|measure OUT_DIR}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "$0")/.."
+source scripts/gpu_env.sh
+CONFIG=${CONFIG:-benchmarks/configs/llama-3.1-8b}
+ART=${ART:-/tmp/offgraph_8b}
+mkdir -p "$ART"
+B="python3 benchmarks/decode_bench.py"
+status=0
+case "$PHASE" in
+build)
+  nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/summary.txt"
+  nproc | sed 's/^/cpus /' | tee -a "$OUT/summary.txt"
+  # build-offgraph runs `offgraph-export export ... --json`: every stage's seconds land in offgraph_build.json
+  timeout -k 10 "${BUILD_BUDGET_S:-570}" $B build-offgraph --config "$CONFIG" --variant offgraph --out "$OUT" \
+    --artifacts "$ART" --max-capacity "${MAX_CAPACITY:-16896}" > "$OUT/build_offgraph.log" 2>&1
+  rc=$?
+  echo "build rc $rc (${SECONDS}s)" | tee -a "$OUT/summary.txt"
+  grep -E "^\[|stage|compiled|passes|exported|packaged" "$OUT/build_offgraph.log" | tail -30 >> "$OUT/summary.txt"
+  cp "$OUT/offgraph_build.json" "$ART/" 2>/dev/null
+  ls -la "$ART" >> "$OUT/summary.txt"
+  exit $rc
+  ;;
+measure)
+  [ -f "$ART/offgraph.pt2" ] || { echo "no $ART/offgraph.pt2: run the build phase first on the same warm machine"; exit 2; }
+  cp "$ART/offgraph_build.json" "$OUT/" 2>/dev/null
+  timeout -k 10 "${CHECK_BUDGET_S:-240}" python3 -m offgraph_export check "$ART/offgraph.pt2" --model "hf:$CONFIG" \
+    --steps 6 --cuda-graphs > "$OUT/check_graphs.txt" 2>&1 || status=1
+  echo "check (graphs) rc $status (${SECONDS}s): $(head -1 "$OUT/check_graphs.txt")" | tee -a "$OUT/summary.txt"
+  grep -iE "load" "$OUT/check_graphs.txt" | head -3 >> "$OUT/summary.txt"
+  timeout -k 10 "${MEASURE_BUDGET_S:-300}" $B measure --config "$CONFIG" --out "$OUT" --artifacts "$ART" \
+    --history 1024 16384 --steps 50 --max-capacity "${MAX_CAPACITY:-16896}" > "$OUT/measure.log" 2>&1 || status=1
+  echo "measure rc $status (${SECONDS}s)" | tee -a "$OUT/summary.txt"
+  tail -5 "$OUT/measure.log" >> "$OUT/summary.txt"
+  exit $status
+  ;;
+*) echo "phase must be build or measure, not '$PHASE'"; exit 2 ;;
+esac
