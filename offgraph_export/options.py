@@ -20,7 +20,9 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from offgraph_export.errors import ExportError
-from offgraph_export.specs.quantization import DEFAULT_GROUP_SIZE, GROUP_SIZES, QUANT_SCHEMES
+from offgraph_export.specs.quantization import (
+    DEFAULT_GROUP_SIZE, GROUP_SIZES, GROUPED_SCHEMES, PT2_SCHEMES, PTE_SCHEMES, QUANT_SCHEMES,
+)
 
 __all__ = [
     "FORMATS",
@@ -63,9 +65,10 @@ Autotune = Literal["none", "decode", "all"]
 #: device at compile time (slower compile, faster small-batch GEMMs).
 AUTOTUNE_CHOICES: tuple[str, ...] = get_args(Autotune)
 
-Quantize = Literal["none", "int8", "int4"]
-#: ``--quantize`` values: float weights, or every linear's weight stored as int8 / int4 (design
-#: section 11; the schemes are ``specs/quantization.py``'s)
+Quantize = Literal["none", "int8", "int4", "8da4w"]
+#: ``--quantize`` values: float weights, or every linear's weight stored as int8 / int4 (weight-only,
+#: a ``.pt2``), or torchao's 8da4w (int8 dynamic activations, int4 weights: a ``.pte`` delegated to
+#: XNNPACK) (design section 11; the schemes are ``specs/quantization.py``'s)
 QUANTIZE_CHOICES: tuple[str, ...] = get_args(Quantize)
 assert QUANTIZE_CHOICES[1:] == QUANT_SCHEMES
 
@@ -158,7 +161,7 @@ class ResolvedOptions(BaseModel):
     decode_sessions: bool = False
     #: weight-only quantization of every linear (``passes/quantize_weights.py``)
     quantize: Quantize = "none"
-    #: int4's input features per scale and zero (None unless ``quantize == "int4"``)
+    #: int4's and 8da4w's input features per scale and zero (None for ``none`` and ``int8``)
     group_size: int | None = None
 
     @property
@@ -181,7 +184,7 @@ def pass_record(
 ) -> dict[str, bool | int | str]:
     """The part of the specs' options the passes decide: the fold flags only where there is a
     decode method to fold into; ``decode_sessions`` only where it is on (a batched artifact's);
-    ``quantize`` (and int4's ``group_size``) only where weights are quantized."""
+    ``quantize`` (and int4's or 8da4w's ``group_size``) only where weights are quantized."""
     out: dict[str, bool | int | str] = {"fuse_projections": fuse}
     if decode_method:
         out |= {"decode_gemv": decode_gemv, "decode_rope": decode_rope}
@@ -232,10 +235,13 @@ class ExportOptions(BaseModel):
                 f"{name}={err.get('input')!r} is not valid: {err['msg']}", _FLAGS.get(name, "--help")
             ) from None
 
-    def resolve(self, max_write: int | None = None, batched: bool | None = None) -> ResolvedOptions:
+    def resolve(
+        self, max_write: int | None = None, batched: bool | None = None, dtype: str | None = None,
+    ) -> ResolvedOptions:
         """The device's defaults filled in and every rule checked. ``max_write``: the cache's
         step bound, when known (the token width must range over at least ``[1, 2]``);
-        ``batched``: whether the cache is paged (``--max-sessions``), when known."""
+        ``batched``: whether the cache is paged (``--max-sessions``), when known; ``dtype``: the
+        dtype the model is cast to (``--dtype``), when known (8da4w takes float32 only)."""
         if not _DEVICE.fullmatch(self.device):
             raise OptionError(f"unknown device {self.device!r}; expected cpu, cuda or cuda:N", "--device")
         pt2 = self.format == "pt2"
@@ -291,7 +297,7 @@ class ExportOptions(BaseModel):
             self.decode_sessions if self.decode_sessions is not None
             else bool(batched) and pt2 and default_decode_sessions(step_impl)
         )
-        group_size = self._group_size(pt2)
+        group_size = self._group_size(pt2, backend, dtype)
         if max_write is not None and max_write < 2:  # a width range [1, 1] is a constant to torch.export
             raise OptionError(f"max_write {max_write} is too small: a step's token width must range over at least [1, 2]", "--max-write")
         return ResolvedOptions(
@@ -309,18 +315,43 @@ class ExportOptions(BaseModel):
             group_size=group_size,
         )
 
-    def _group_size(self, pt2: bool) -> int | None:
-        """int4's group size (its default where not given); refuses one without int4, and
-        quantization of a ``.pte`` (design section 11)."""
-        if self.quantize != "none" and not pt2:
+    def _group_size(self, pt2: bool, backend: str | None, dtype: str | None) -> int | None:
+        """int4's and 8da4w's group size (its default where not given); refuses one with another
+        scheme, and a scheme the format does not take (design section 11): int8/int4 for a
+        ``.pte`` (XNNPACK computes weight-only programs wrongly), 8da4w for a ``.pt2``, on a
+        backend other than XNNPACK, or with a dtype other than float32."""
+        q = self.quantize
+        if q in PT2_SCHEMES and not pt2:
             raise OptionError(
-                f"--quantize {self.quantize} is weight-only quantization for a .pt2; ExecuTorch's XNNPACK computes "
-                "weight-only programs wrongly, so a .pte takes no --quantize (drop it or use --format pt2)",
+                f"--quantize {q} is weight-only quantization for a .pt2: ExecuTorch's XNNPACK computed weight-only "
+                f"int4 and int8 programs wrongly (outputs 130x and 2000x off), so a .pte takes --quantize "
+                f"{' or '.join(PTE_SCHEMES)} (or none), or use --format pt2",
                 "--quantize",
             )
-        if self.quantize != "int4":
+        if q in PTE_SCHEMES:
+            if pt2:
+                raise OptionError(
+                    f"--quantize {q} (int8 dynamic activations, int4 weights) is lowered by ExecuTorch's XNNPACK "
+                    f"for a .pte; a .pt2 takes --quantize {' or '.join(PT2_SCHEMES)} (or none), or use --format executorch",
+                    "--quantize",
+                )
+            if backend != "xnnpack":
+                raise OptionError(
+                    f"--quantize {q} runs its linears in XNNPACK's dynamically quantized kernels; the {backend} "
+                    "backend has none: use --executorch-backend xnnpack (the cpu default)",
+                    "--executorch-backend",
+                )
+            if dtype is not None and dtype != "float32":
+                raise OptionError(
+                    f"--quantize {q} takes a float32 model, not --dtype {dtype}: ExecuTorch does not delegate {dtype} "
+                    "dynamically quantized linears to XNNPACK and has no portable kernels for them",
+                    "--quantize",
+                )
+        if q not in GROUPED_SCHEMES:
             if self.group_size is not None:
-                raise OptionError(f"--group-size {self.group_size} applies to --quantize int4 only", "--group-size")
+                raise OptionError(
+                    f"--group-size {self.group_size} applies to --quantize {' or '.join(GROUPED_SCHEMES)} only", "--group-size"
+                )
             return None
         if self.group_size is None:
             return DEFAULT_GROUP_SIZE

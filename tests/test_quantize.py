@@ -96,7 +96,7 @@ def test_the_record_refuses_what_no_export_writes():
     bad = [
         (_spec(group_size=None), "group_size None"),
         (_spec(group_size=48), "group_size 48"),
-        (_spec(scheme="int8"), "applies to int4 only"),
+        (_spec(scheme="int8"), "applies to int4 and 8da4w only"),
         (_spec(weights=[{"name": "w", "sources": ["a"], "shape": [8, 40]}]), "40 input features"),
         (_spec(weights=[{"name": "w", "sources": ["a"], "shape": [8, 64]}, {"name": "w", "sources": ["b"], "shape": [8, 64]}]), "named twice"),
         (_spec(weights=[]), "at least 1"),

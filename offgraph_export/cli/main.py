@@ -219,8 +219,8 @@ def cli(debug: bool) -> None:
 @click.option("--decode-gemv/--no-decode-gemv", "decode_gemv", default=None, help="In the decode method, run projections of at most 8192 outputs with the Triton GEMV kernel instead of the compiler's GEMM, folding in the RMSNorm before them, the SiLU·mul after a fused gate|up projection and the residual add after them (default: on wherever there is a cuda decode method).")
 @click.option("--decode-rope/--no-decode-rope", "decode_rope", default=None, help="In the decode method, rotate the query and new key inside the one-token attention kernel instead of a rotary-embedding kernel per layer (Llama-family eager rotary form; default: on for the cuda decode method with the triton step).")
 @click.option("--decode-sessions/--no-decode-sessions", "decode_sessions", default=None, help="With --max-sessions: also compile the sessions method, which runs every decode-only step of several sessions (one token each) with the row writes and rotary embedding inside the attention kernel and no q/k/v copies (docs/design.md section 10; default: on with the triton step, off with the portable one, where it computes the same thing; pt2 only).")
-@click.option("--quantize", type=click.Choice(QUANTIZE_CHOICES), default="none", show_default=True, help="Store every linear's weight (projections and lm_head; not the embedding table) quantized from the float weights at export, no data needed: int8 per output channel, or int4 in groups of --group-size input features (docs/design.md section 11). Weight-only: activations and the K/V cache keep the model's dtype. pt2 only.")
-@click.option("--group-size", type=click.Choice([str(g) for g in GROUP_SIZES]), help="With --quantize int4: input features per scale and zero (default 128).")
+@click.option("--quantize", type=click.Choice(QUANTIZE_CHOICES), default="none", show_default=True, help="Store every linear's weight (projections and lm_head; not the embedding table) quantized from the float weights at export, no data needed (docs/design.md section 11). A .pt2 takes int8 (per output channel) or int4 (groups of --group-size input features), weight-only: activations and the K/V cache keep the model's dtype. A .pte takes 8da4w (float32 models): torchao's int8 dynamic per-token activations and int4 weights in groups of --group-size, run by XNNPACK.")
+@click.option("--group-size", type=click.Choice([str(g) for g in GROUP_SIZES]), help="With --quantize int4 or 8da4w: input features per scale (default 128).")
 @click.option("-a", "--arg", "factory_args", multiple=True, metavar="NAME=VALUE", help="Keyword argument for the model factory (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
 def export(model_factory, output, device, max_capacity, initial_capacity, max_write, dtype, rings, all_flat, max_sessions, page_size, pool_pages, step_impl, fmt, executorch_backend, fuse, decode_method, max_autotune, decode_gemv, decode_rope, decode_sessions, quantize, group_size, factory_args, as_json):
@@ -240,7 +240,7 @@ def export(model_factory, output, device, max_capacity, initial_capacity, max_wr
             decode_gemv=decode_gemv, decode_rope=decode_rope, decode_sessions=decode_sessions,
             quantize=quantize, group_size=int(group_size) if group_size else None,
         )
-        options.resolve(batched=max_sessions is not None)
+        options.resolve(batched=max_sessions is not None, dtype=dtype)
     except OptionError as exc:
         raise click.BadParameter(str(exc), param_hint=f"'{exc.flag}'") from None
     # torch and the pipeline only now: a refused option costs no import of them

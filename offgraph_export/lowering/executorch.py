@@ -29,6 +29,12 @@ CUDA-enabled ExecuTorch runtime loads with the program. The pip runtime has no C
 such a program can be built and inspected here but not run (:class:`~offgraph_export.runtime.pte_artifact.PteArtifact`
 refuses it with that reason).
 
+A program quantized as ``8da4w`` (design section 11) is partitioned by XNNPACK's dynamically
+quantized partitioner first, then its general one (ExecuTorch's llama export's order), and is
+refused when any quantization op is left outside an XNNPACK delegate (:func:`quantized_ops`): it
+would not run as the quantized linear ``check`` compares against. Weight-only (``int8``/``int4``)
+programs are refused by the options' rules (XNNPACK computes them wrongly).
+
 ExecuTorch plans graph inputs into its own memory (``alloc_graph_input=True``, the default kept
 here): the mutated storage comes back as the program's leading outputs and the caller's tensors are
 not written, so the runtime copies those outputs back into its storage
@@ -57,6 +63,7 @@ __all__ = [
     "data_path",
     "compile_pte",
     "delegate_width_specs",
+    "quantized_ops",
 ]
 
 
@@ -77,13 +84,19 @@ def _executorch():
     return backend_config, to_edge_transform_and_lower
 
 
-def _partitioners(backend: str) -> list:
+def _partitioners(backend: str, scheme: str | None = None) -> list:
+    """The partitioners of ``backend``; for an 8da4w program (``scheme``) XNNPACK's dynamically
+    quantized one first (it takes each quantized linear with its activation quantization, as
+    ExecuTorch's llama export does), then the general one for the rest."""
     if backend == "portable":
         return []
     if backend == "xnnpack":
-        from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+        from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
+            XnnpackDynamicallyQuantizedPartitioner,
+            XnnpackPartitioner,
+        )
 
-        return [XnnpackPartitioner()]
+        return [XnnpackDynamicallyQuantizedPartitioner(), XnnpackPartitioner()] if scheme == "8da4w" else [XnnpackPartitioner()]
     if backend == "cuda":
         from executorch.backends.cuda.cuda_backend import CudaBackend
         from executorch.backends.cuda.cuda_partitioner import CudaPartitioner
@@ -117,6 +130,48 @@ def _attach_delegate_specs(edge: object, specs: ArtifactSpecs) -> None:
         lowered._compile_specs = [*lowered.compile_specs, *own]  # a list of its own, not the shared one
 
 
+#: what names a quantization op in a node's target (torchao's, or the quantized_decomposed ones
+#: the edge dialect may turn them into)
+_QUANT_OP_MARKS = ("torchao", "quantized_decomposed", "quantize_affine", "choose_qparams")
+
+
+def quantized_ops(gm: object) -> tuple[list[str], int]:
+    """The quantization ops ``gm`` (an edge program's graph module) runs outside any delegate, by
+    target name, and how many nodes of the delegates' own programs are such ops (what was
+    delegated)."""
+    outside: list[str] = []
+    inside = 0
+    for node in gm.graph.nodes:  # type: ignore[attr-defined]
+        if node.op != "call_function":
+            continue
+        target = str(node.target)
+        if "executorch_call_delegate" in target:
+            lowered = getattr(gm, node.args[0].target)
+            program = getattr(lowered, "original_module", None)
+            if program is not None:
+                inside += sum(
+                    n.op == "call_function" and any(m in str(n.target) for m in _QUANT_OP_MARKS)
+                    for n in program.graph.nodes
+                )
+        elif any(m in target for m in _QUANT_OP_MARKS):
+            outside.append(target)
+    return outside, inside
+
+
+def _check_quantized_delegated(edge: object, specs: ArtifactSpecs) -> None:
+    """An 8da4w program's quantized linears all went to XNNPACK: a quantization op left outside
+    would run as a portable kernel (or not at all), not as the quantized linear checked."""
+    if specs.quantization is None:
+        return
+    outside, inside = quantized_ops(edge.exported_program().graph_module)  # type: ignore[attr-defined]
+    if outside or not inside:
+        raise ExportError(
+            f"--quantize {specs.quantization.scheme}: XNNPACK did not take every quantized linear "
+            f"({len(outside)} quantization ops left outside its delegates, e.g. {sorted(set(outside))[:3]}; "
+            f"{inside} inside)"
+        )
+
+
 def delegate_width_specs(buffer: bytes) -> list[tuple[int, StepWidthSpec | None, list[list[int]]]]:
     """For every delegate call of the serialized program: the delegate's index, its width spec
     (None without one) and the planned sizes of its arguments (``[]`` for one that is not a
@@ -148,8 +203,12 @@ def compile_pte(
     target = Path(path)
     if target.suffix != ".pte":
         raise ExportError(f"artifact path {str(target)!r} must end in .pte")
-    # the backend's vocabulary and device (the rules live in options.py)
-    ExportOptions.parse(format="executorch", device=specs.device, executorch_backend=backend).resolve()
+    # the backend's vocabulary and device, and the quantization a .pte takes (the rules live in options.py)
+    quant = specs.quantization
+    ExportOptions.parse(
+        format="executorch", device=specs.device, executorch_backend=backend,
+        quantize=quant.scheme if quant else "none", group_size=quant.group_size if quant else None,
+    ).resolve()
     backend_config, to_edge_transform_and_lower = _executorch()
     grads = [name for name, p in ep.named_parameters() if p.requires_grad]
     if grads:
@@ -161,7 +220,10 @@ def compile_pte(
         extra["compile_config"] = EdgeCompileConfig(_check_ir_validity=False)
     try:
         constants = {**spec_constants(specs), **digest_placeholders(data_file=backend == "cuda")}
-        edge = to_edge_transform_and_lower(ep, partitioner=_partitioners(backend), constant_methods=constants, **extra)
+        edge = to_edge_transform_and_lower(
+            ep, partitioner=_partitioners(backend, quant.scheme if quant else None), constant_methods=constants, **extra
+        )
+        _check_quantized_delegated(edge, specs)
         _attach_delegate_specs(edge, specs)
         program = edge.to_executorch(backend_config())
     except ExportError:

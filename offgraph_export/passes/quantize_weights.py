@@ -95,6 +95,11 @@ def quantize_weights(
     fused ones, from :func:`~offgraph_export.passes.fuse_projections.fuse_projections`). ``stored``:
     weights quantized already, by model parameter name (the module docstring); ``others``: whether
     the linears ``stored`` does not name are quantized too."""
+    if scheme == "8da4w":  # torchao's form, for XNNPACK
+        from offgraph_export.passes.quantize_8da4w import quantize_8da4w
+
+        assert group_size is not None
+        return quantize_8da4w(ep, example_inputs, group_size, sources)
     gm = ep.module()
     groups = _weight_linears(gm)
     if not groups:

@@ -3,7 +3,7 @@ size and, per quantized weight, its name in the program, the model's parameters 
 its float shape and whether other nodes read the float weight too.
 
 Read from untrusted specs like every other entry: every field is bounded and checked here, and
-the rules that tie them together (a group size only for ``int4``, a ``K`` the group size divides,
+the rules that tie them together (a group size only for ``int4`` and ``8da4w``, a ``K`` the group size divides,
 unique names) are checked when the specs are parsed, so ``check``'s oracle never acts on a record
 it could not have come from an export. The vocabularies (``QUANT_SCHEMES``, ``GROUP_SIZES``) are
 defined here, once; ``options.py`` and the CLI read them from here. No torch.
@@ -17,26 +17,33 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from offgraph_export.specs.limits import LimitedItems
 
-__all__ = ["QUANT_SCHEMES", "GROUP_SIZES", "DEFAULT_GROUP_SIZE", "QuantizedWeight", "QuantizationSpec", "group_problem"]
+__all__ = ["QUANT_SCHEMES", "GROUPED_SCHEMES", "PT2_SCHEMES", "PTE_SCHEMES", "GROUP_SIZES", "DEFAULT_GROUP_SIZE", "QuantizedWeight", "QuantizationSpec", "group_problem"]
 
-QuantScheme = Literal["int8", "int4"]
-#: ``int8``: symmetric per output channel; ``int4``: asymmetric per group of input features.
+QuantScheme = Literal["int8", "int4", "8da4w"]
+#: ``int8``: symmetric per output channel; ``int4``: asymmetric per group of input features (both
+#: weight-only, ``.pt2``); ``8da4w``: torchao's int8 dynamic per-token activations and symmetric
+#: int4 weights per group of input features (``.pte``, delegated to XNNPACK; design section 11).
 QUANT_SCHEMES: tuple[str, ...] = get_args(QuantScheme)
-#: the group sizes ``int4`` takes (input features per scale and zero)
+#: the schemes whose weights are quantized in groups of input features
+GROUPED_SCHEMES: tuple[str, ...] = ("int4", "8da4w")
+#: the schemes a ``.pt2`` takes (weight-only) and the ones a ``.pte`` takes
+PT2_SCHEMES: tuple[str, ...] = ("int8", "int4")
+PTE_SCHEMES: tuple[str, ...] = ("8da4w",)
+#: the group sizes ``int4`` and ``8da4w`` take (input features per scale and zero)
 GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 128
 
 _Name = Annotated[str, Field(min_length=1, max_length=512)]
 
 
-def group_problem(name: str, k: int, group_size: int) -> str | None:
-    """Why a weight of ``k`` input features cannot take int4 groups of ``group_size`` (None: it
-    can), naming the group sizes that would divide it."""
+def group_problem(name: str, k: int, group_size: int, scheme: str = "int4") -> str | None:
+    """Why a weight of ``k`` input features cannot take ``scheme``'s groups of ``group_size``
+    (None: it can), naming the group sizes that would divide it."""
     if k % group_size == 0 and k % 2 == 0:
         return None
     fits = [g for g in GROUP_SIZES if k % g == 0]
     hint = f"use --group-size {' or '.join(map(str, fits))}" if fits else f"no group size in {GROUP_SIZES} divides it"
-    return f"weight {name} has {k} input features, not a multiple of the int4 group size {group_size}; {hint}"
+    return f"weight {name} has {k} input features, not a multiple of the {scheme} group size {group_size}; {hint}"
 
 
 class QuantizedWeight(BaseModel):
@@ -63,15 +70,15 @@ class QuantizationSpec(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> "QuantizationSpec":
-        if self.scheme == "int4":
+        if self.scheme in GROUPED_SCHEMES:
             if self.group_size not in GROUP_SIZES:
-                raise ValueError(f"int4 group_size {self.group_size!r} is not one of {GROUP_SIZES}")
+                raise ValueError(f"{self.scheme} group_size {self.group_size!r} is not one of {GROUP_SIZES}")
             for w in self.weights:
-                problem = group_problem(w.name, w.shape[1], self.group_size)
+                problem = group_problem(w.name, w.shape[1], self.group_size, self.scheme)
                 if problem:
                     raise ValueError(problem)
         elif self.group_size is not None:
-            raise ValueError(f"group_size {self.group_size} applies to int4 only, not {self.scheme}")
+            raise ValueError(f"group_size {self.group_size} applies to {' and '.join(GROUPED_SCHEMES)} only, not {self.scheme}")
         names = [w.name for w in self.weights]
         if len(set(names)) != len(names):
             raise ValueError("a quantized weight is named twice")
