@@ -5,7 +5,7 @@ L2), captured in one CUDA graph and replayed: the median replay over 16 is one c
 decode step pays it. Per shape, side by side: bf16 through cuBLAS (``F.linear``) and through this
 project's GEMV (``kernels/triton_gemv.py``, where its width limit admits it), int8 and int4
 (group 128) through the same GEMV with its folds (default launch configuration and a few others),
-both forms of dequantization (per value, the default; per row or group, ``"dequant": "group"``),
+both forms of dequantization (per row or group, the default; per value, ``"dequant": "value"``),
 and, for int4 without folds, tinygemm (``aten._weight_int4pack_mm``, the kernel gpt-fast's int4
 path uses) as the contender. The step sums 16 layers of each projection plus the lm_head; the
 floor is the weights' bytes at the measured device copy rate.
@@ -55,8 +55,8 @@ def copy_rate() -> float:
 
 
 VARIANTS = {  # step variant: the weights it reads
-    "cublas_bf16": "bf16", "gemv_bf16": "bf16", "gemv_int8": "int8", "gemv_int8_bygroup": "int8",
-    "gemv_int4": "int4", "gemv_int4_bygroup": "int4", "tinygemm_int4": "int4",
+    "cublas_bf16": "bf16", "gemv_bf16": "bf16", "gemv_int8": "int8", "gemv_int8_pervalue": "int8",
+    "gemv_int4": "int4", "gemv_int4_pervalue": "int4", "tinygemm_int4": "int4",
 }
 
 
@@ -128,7 +128,7 @@ def main() -> None:
                                    group_size=group or 0)
 
             row["us"][f"gemv_{scheme}"] = replay_us(run, copies)
-            row["us"][f"gemv_{scheme}_bygroup"] = replay_us(lambda: run(tg._config(k, gated, True) | {"dequant": "group"}), copies)
+            row["us"][f"gemv_{scheme}_pervalue"] = replay_us(lambda: run(tg._config(k, gated, True, n) | {"dequant": "value"}), copies)
             for (bn, bk, warps), dequant in itertools.product(CONFIGS, ("value", "group")):
                 config = {"kernel": "rows", "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "dequant": dequant}
                 try:
@@ -158,7 +158,7 @@ def main() -> None:
         del ws
         torch.cuda.empty_cache()
     step = {}
-    for variant in ("cublas_bf16", "gemv_bf16", "gemv_int8", "gemv_int4", "gemv_int8_bygroup", "gemv_int4_bygroup", "tinygemm_int4"):
+    for variant in ("cublas_bf16", "gemv_bf16", "gemv_int8", "gemv_int4", "gemv_int8_pervalue", "gemv_int4_pervalue", "tinygemm_int4"):
         total = 0.0
         for row in rows:
             us = row["us"].get(variant) or row["us"].get("gemv_bf16" if variant == "gemv_bf16" else "cublas_bf16")

@@ -34,13 +34,13 @@ def test_quantized_gemv_interpreter_suite():
 @pytest.mark.parametrize("norm, gated, gate_first, residual", FOLDS)
 @pytest.mark.parametrize("n, k", [(40, 256), (96, 1152)])  # 1152: a partial last chunk of columns
 def test_interp_quantized_gemv_matches_the_float_folds_over_w_prime(n, k, norm, gated, gate_first, residual, scheme, group, dequant):
-    """Both dequantization forms (per value, the default; per row or group, the candidate a sweep
-    times) against the float folds over ``W'`` (fp32: rounding ``W'`` to the dtype is exact)."""
+    """Both dequantization forms (per row or group, the default; per value, a launch option)
+    against the float folds over ``W'`` (fp32: rounding ``W'`` to the dtype is exact)."""
     from offgraph_export.kernels.triton_gemv import _config, gemv_launch
 
     x, w, nw, res = _fold_inputs(n, k, torch.float32, norm, gated, residual)
     stored, w_prime = _quantized(w, scheme, group)
-    config = _config(k, gated, quantized=True) | {"dequant": dequant}
+    config = _config(k, gated, quantized=True, n=n) | {"dequant": dequant}
     got = gemv_launch(x, stored.qweight, nw, 1e-5, res, gated, gate_first, config, scales=stored.scales,
                       zeros=stored.zeros, group_size=group or 0)
     want = _eager_folds(x, w_prime, nw, 1e-5, res, gated, gate_first)
@@ -48,6 +48,25 @@ def test_interp_quantized_gemv_matches_the_float_folds_over_w_prime(n, k, norm, 
     torch.testing.assert_close(got, want, atol=3e-5, rtol=3e-5)
     # and not the float weight's result: the kernel really reads the stored form
     assert (got - _eager_folds(x, w, nw, 1e-5, res, gated, gate_first)).abs().max() > 1e-4
+
+
+@interpreter_only
+@pytest.mark.parametrize("scheme,group", SCHEMES)
+@pytest.mark.parametrize("norm, gated, gate_first, residual", FOLDS[:3])
+def test_interp_wide_projection_configuration_matches_the_float_folds(norm, gated, gate_first, residual, scheme, group):
+    """The launch configuration the default gives wide quantized projections (gate|up, lm_head:
+    8 rows x 512 columns a program, per row or group) on a small weight, against ``W'``."""
+    from offgraph_export.kernels.triton_gemv import _QUANT_WIDE_ROWS, _config, gemv_launch
+
+    n, k = 48, 1152
+    config = _config(k, gated, quantized=True, n=_QUANT_WIDE_ROWS)
+    assert (config["BLOCK_N"], config["BLOCK_K"], config["dequant"]) == (8, 512, "group")
+    x, w, nw, res = _fold_inputs(n, k, torch.float32, norm, gated, residual)
+    stored, w_prime = _quantized(w, scheme, group)
+    got = gemv_launch(x, stored.qweight, nw, 1e-5, res, gated, gate_first, config, scales=stored.scales,
+                      zeros=stored.zeros, group_size=group or 0)
+    want = _eager_folds(x, w_prime, nw, 1e-5, res, gated, gate_first)
+    torch.testing.assert_close(got, want, atol=3e-5, rtol=3e-5)
 
 
 @interpreter_only

@@ -24,11 +24,13 @@ kernel of a few microseconds over a few KiB. The kernel takes them as options:
 * ``residual`` (epilogue): ``out + residual``, rounded once.
 
 The weight may also come quantized (design section 11): int8 ``[N, K]`` with a scale per row, or
-int4 two a byte ``[N, K / 2]`` with a scale and a zero per ``group_size`` columns. Each value is
-dequantized in registers as the reference rule computes ``W'`` (in fp32, rounded to the output
-dtype), so the kernel reads a quarter or half of the bytes and computes what a float GEMV over
-``W'`` computes; quantized rows always take the per-row-block kernel (no width limit: a quantized
-lm_head has no compiler GEMM that reads its stored form).
+int4 two a byte ``[N, K / 2]`` with a scale and a zero per ``group_size`` columns, read as stored
+(a quarter or half of the bytes). By default the scale and zero are applied once per row (int8:
+``s * sum(q x)``) or group (int4: ``s * sum((q - 8) x) + z * sum(x)``), in fp32; per value
+(``"dequant": "value"``: each value rounded as ``W'`` holds it) it computes exactly what a float
+GEMV over ``W'`` computes, per row or group it differs from that by the rounding of ``W'`` only
+(and is faster: fewer operations per value). Quantized rows always take the per-row-block kernel
+(no width limit: a quantized lm_head has no compiler GEMM that reads its stored form).
 
 One custom op, ``offgraph_lowered::triton_gemv`` (``torch.library.triton_op``), so export keeps one
 node and AOTInductor compiles the kernel into the package. Products are accumulated in fp32.
@@ -64,26 +66,48 @@ MAX_GEMV_ROWS = 8192
 #: gated GEMV ran at cuBLAS's speed with the SiLU·mul kernel saved. Qwen2.5-7B's 18944 fits too.
 #: Not yet timed at those shapes.
 MAX_GATED_ROWS = 24576
-#: Launch configurations, from a sweep on the H200 (``scripts/sweep_decode_kernels.py``, torch
-#: 2.11, bf16, the Llama-1B projections with their folds, 16 layers' weights in one CUDA graph;
-#: ``benchmarks/h200-2026-12-01-host/sweep_gemv.log``): one program per 2 rows x 1024 columns for
+#: Launch configurations, from sweeps on the H200 (``scripts/sweep_decode_kernels.py``, torch
+#: 2.11, bf16, projections with their folds, 16 layers' weights in one CUDA graph). Llama-1B
+#: (``benchmarks/h200-2026-12-01-host/sweep_gemv.log``): one program per 2 rows x 1024 columns for
 #: K = 2048 (q|k|v 6.2 us, output 4.6 us: within 2% of the best of 70 configs each) and 4 x 2048
 #: for the K = 8192 down projection (10.6 us, the best); the gated gate|up projection runs the
 #: persistent row-tile kernel, 1 row per tile, 4 programs per SM, 3 stages (19.3 us, 3.5 TB/s,
-#: against 21.0 us for the per-row-block kernel); 4 warps.
+#: against 21.0 us for the per-row-block kernel); 4 warps. Llama-3.1-8B
+#: (``benchmarks/h200-2026-12-06-gemv``): the same tile configuration is the best gated one at
+#: K = 4096 too (56.8 us, 4.13 TB/s, cuBLAS 56.8 without the folds; the 4 x 2048 rows
+#: configuration it had took 123.6 us), and the K = 14336 down projection takes 2 rows x 2048 and
+#: 8 warps (30.0 us, 3.91 TB/s, against 39.4 for 4 x 2048 and 4 warps).
 _LONG_ROWS = 4096
-#: The persistent kernel holds a whole row (and x) in registers; it was measured at K = 2048, and
-#: longer rows keep the per-row-block kernel until measured.
-_TILE_MAX_K = 2048
+_VERY_LONG_ROWS = 8192
+#: The persistent kernel holds a whole row (and x) in registers; measured at K = 2048 and 4096.
+_TILE_MAX_K = 4096
+#: Quantized weights (design section 11): dequantized per row (int8) or group (int4), which beat
+#: per value on every Llama-1B projection on the H200 (``benchmarks/h200-2026-12-06-gemv``, group
+#: 128: int8 step 776 against 1,045 us, int4 1,228 against 1,850); 8 rows x 512 columns for the
+#: wide projections (gate|up, lm_head: int8 lm_head 110 us against 151), 4 x 1024 below K = 4096.
+_QUANT_WIDE_ROWS = 16384
 
 
-def _config(k: int, gated: bool = False, quantized: bool = False) -> dict:
-    """The kernel and its launch parameters for rows of ``k`` columns: ``kernel`` "rows"
-    (:func:`_gemv_kernel`: ``BLOCK_N``, ``BLOCK_K``, ``num_warps``) or "tiles"
+def _config(k: int, gated: bool = False, quantized: bool = False, n: int = 0) -> dict:
+    """The kernel and its launch parameters for ``n`` weight rows of ``k`` columns: ``kernel``
+    "rows" (:func:`_gemv_kernel`: ``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``dequant``) or "tiles"
     (:func:`_gemv_tiles_kernel`: ``BLOCK_N``, ``per_sm`` programs, ``num_warps``, ``num_stages``).
-    Quantized weights take the float configurations of the rows kernel (not yet swept for them)."""
-    if gated and k <= _TILE_MAX_K and not quantized:
+    ``quantized``: the weight is int8/int4 (the rows kernel, dequantized per row or group)."""
+    if quantized:
+        if n >= _QUANT_WIDE_ROWS:
+            return {"kernel": "rows", "BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "dequant": "group"}
+        if k >= _LONG_ROWS:
+            return {"kernel": "rows", "BLOCK_N": 4, "BLOCK_K": 2048, "num_warps": 4, "dequant": "group"}
+        return {"kernel": "rows", "BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, "dequant": "group"}
+    if gated and k <= _TILE_MAX_K:
         return {"kernel": "tiles", "BLOCK_N": 1, "per_sm": 4, "num_warps": 4, "num_stages": 3}
+    return _rows_config(k)
+
+
+def _rows_config(k: int) -> dict:
+    """The per-row-block kernel's float configuration for rows of ``k`` columns."""
+    if k > _VERY_LONG_ROWS:
+        return {"kernel": "rows", "BLOCK_N": 2, "BLOCK_K": 2048, "num_warps": 8}
     if k >= _LONG_ROWS:
         return {"kernel": "rows", "BLOCK_N": 4, "BLOCK_K": 2048, "num_warps": 4}
     return {"kernel": "rows", "BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4}
@@ -320,8 +344,8 @@ def _gemv(
 def gemv_launch(x, w, norm_weight=None, eps=0.0, residual=None, gated=False, gate_first=True,
                 config: Optional[dict] = None, scales=None, zeros=None, group_size: int = 0, bias=None) -> torch.Tensor:
     """The op's body; ``config`` overrides :func:`_config` (``scripts/sweep_decode_kernels.py``
-    calls this eagerly to sweep launch configurations; ``"dequant": "group"`` in it dequantizes per
-    row (int8) or group (int4) instead of per value, :func:`_chunk`: not the default until timed). With ``scales`` the weight is quantized
+    calls this eagerly to sweep launch configurations; ``"dequant": "value"`` in it dequantizes each
+    value as ``W'`` holds it, :func:`_chunk`, where the default is per row or group). With ``scales`` the weight is quantized
     (design section 11): int8 ``[N, K]`` and scales ``[N]``, or with ``zeros`` and ``group_size``
     int4 ``[N, K / 2]`` and scales and zeros ``[N, K / group_size]``. ``bias``: ``[N]``, the
     linear's (Qwen-style q/k/v projections)."""
@@ -357,7 +381,8 @@ def gemv_launch(x, w, norm_weight=None, eps=0.0, residual=None, gated=False, gat
     if bias is not None:
         torch._check(bias.shape == (n,), lambda: f"the bias must have shape ({n},)")
         bias = bias.contiguous()
-    config = config or _config(k, gated, quantized=bool(quant) or bias is not None)
+    if config is None:  # a biased float linear takes the rows kernel (the tiles kernel has no bias)
+        config = _rows_config(k) if bias is not None and not quant else _config(k, gated, bool(quant), n)
     flags = dict(NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None,
                  BLOCK_N=config["BLOCK_N"], num_warps=config["num_warps"])
     tiles = triton.cdiv(n_out, config["BLOCK_N"])
