@@ -81,3 +81,36 @@ def test_bf16_check_fails_against_a_model_with_one_weight_changed(bf16_artifact)
     for step in failing:
         assert all(p.startswith("output differs from eager by") for p in step.problems), step.problems
         assert step.max_abs_err > step.tolerance
+
+
+def test_the_float32_reference_is_the_second_chance_and_catches_a_wrong_model(bf16_artifact, monkeypatch):
+    """With the fixed bf16 tolerance shrunk to nothing, every comparison goes to the float32
+    reference (design section 6): the artifact passes by it (as close to the float32 run as the
+    eager bf16 model is, within 2x), the same check without it fails, and a model with one weight
+    changed fails by it too."""
+    import offgraph_export.check as check
+
+    monkeypatch.setitem(check.TOLERANCES, torch.bfloat16, (1e-7, 1e-7))
+    report = check_artifact(bf16_artifact, _bf16_bundle(), decode_steps=4)
+    assert report.passed, report.render()
+    assert any(n.startswith("float32 reference:") for n in report.notes)
+    assert all(s.by_reference and any(r.startswith("output:") for r in s.by_reference) for s in report.steps)
+    assert any("rows:" in r for s in report.steps for r in s.by_reference)
+    assert "~ output: over the fixed tolerance" in report.render()
+
+    fixed_only = check_artifact(bf16_artifact, _bf16_bundle(), decode_steps=4, float32_reference=False)
+    assert not fixed_only.passed and not any(s.by_reference for s in fixed_only.steps)
+
+    bundle = _bf16_bundle()
+    with torch.no_grad():
+        bundle.model.output.weight[7, 0] += 4.0
+    wrong = check_artifact(bf16_artifact, bundle, decode_steps=4)
+    assert not wrong.passed
+    assert any("against the float32 reference RMS" in p for s in wrong.steps for p in s.problems)
+
+
+def test_a_float32_model_gets_no_reference_unless_asked_and_then_a_clear_error(bf16_artifact):
+    from offgraph_export.errors import OffgraphError
+
+    with pytest.raises(OffgraphError, match="needs a bfloat16 or float16 model"):
+        check_artifact(bf16_artifact, load_bundle(EXAMPLE), decode_steps=2, float32_reference=True)

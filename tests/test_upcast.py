@@ -1,0 +1,76 @@
+"""The float32 reference of half-precision checks (reference/upcast.py): the twin swaps in exact
+float32 copies and restores the model's own tensors bit for bit; the rule passes what is as close
+to the reference as eager is, and fails what is further."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from offgraph_export.reference.upcast import REFERENCE_MULTIPLIER, Float32Twin, reference_errors
+
+
+def _deep_mlp(depth: int = 24, width: int = 256, dtype=torch.bfloat16) -> nn.Module:
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.LayerNorm(width)]
+    model = nn.Sequential(*layers).to(dtype)
+    model.register_buffer("half_buffer", torch.randn(width, dtype=dtype))
+    model.register_buffer("float_buffer", torch.randn(width))
+    return model
+
+
+def test_twin_runs_in_float32_and_restores_every_tensor_bitwise():
+    model = _deep_mlp()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids_before = {k: v.data_ptr() for k, v in model.state_dict().items()}
+    twin = Float32Twin(model)
+    assert twin.tensors == 2 * 24 * 2 + 1  # weights, biases, norm scales and shifts, the half buffer
+    x = torch.randn(4, 256)
+    with twin.active():
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        assert model.half_buffer.dtype == torch.float32
+        out = model(x)
+        # the upcast is exact: the float32 copies hold the half-precision values
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, before[name].float())
+    assert out.dtype == torch.float32
+    for name, value in model.state_dict().items():
+        assert value.dtype == before[name].dtype and torch.equal(value, before[name])
+        assert value.data_ptr() == ids_before[name]
+
+
+def test_twin_is_closer_to_float64_than_bf16_eager():
+    """The point of the reference: float32 from the same weights is far nearer a float64 recompute
+    than the bf16 run is."""
+    model = _deep_mlp()
+    x = torch.randn(4, 256)
+    with torch.no_grad():
+        eager = model(x.bfloat16()).double()
+        with Float32Twin(model).active():
+            ref32 = model(x).double()
+        want = model.double()(x.double())
+    assert (ref32 - want).abs().max() < (eager - want).abs().max() / 100
+
+
+def test_rule_passes_what_is_as_close_as_eager_and_fails_what_is_further():
+    model = _deep_mlp()
+    x = torch.randn(8, 256)
+    with torch.no_grad():
+        eager = model(x.bfloat16()).float()
+        with Float32Twin(model).active():
+            ref = model(x)
+        # another bf16 computation of the same model: the float32 result rounded once (closer than eager)
+        rounded = ref.bfloat16().float()
+    assert reference_errors(eager, eager, ref, floor=0.0).ok
+    near = reference_errors(rounded, eager, ref, floor=0.0)
+    assert near.ok and near.artifact < near.eager
+    # a wrong row (one token's output off by the eager error's scale times 30) fails
+    wrong = eager.clone()
+    wrong[3] += 30 * (eager - ref).abs().mean()
+    far = reference_errors(wrong, eager, ref, floor=0.0)
+    assert not far.ok and far.allowed == REFERENCE_MULTIPLIER * far.eager
+    nan = eager.clone()
+    nan[0, 0] = float("nan")
+    assert not reference_errors(nan, eager, ref, floor=1.0).ok
