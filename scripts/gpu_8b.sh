@@ -3,11 +3,12 @@
 # device calls of at most 10 minutes sent back to back (the machine stays warm 30 s; /tmp survives):
 #   scripts/gpu_8b.sh build OUT_DIR     # export with the cuda defaults, each stage timed (export --json)
 #   scripts/gpu_8b.sh measure OUT_DIR   # load time, check against transformers (CUDA graphs), decode at 1k/16k
+#   scripts/gpu_8b.sh contender OUT_DIR # the gpt-fast-style contender (benchmarks/gptfast.py), bf16 then int4
 # CONFIG (default benchmarks/configs/llama-3.1-8b; random bf16 weights from the config),
 # ART (default /tmp/offgraph_8b), BUILD_BUDGET_S (default 570), MAX_CAPACITY (default 16896).
 set -uo pipefail
-PHASE=${1:?usage: scripts/gpu_8b.sh build|measure OUT_DIR}
-OUT=${2:?usage: scripts/gpu_8b.sh build|measure OUT_DIR}
+PHASE=${1:?usage: scripts/gpu_8b.sh build|measure|contender OUT_DIR}
+OUT=${2:?usage: scripts/gpu_8b.sh build|measure|contender OUT_DIR}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
@@ -44,5 +45,15 @@ measure)
   tail -5 "$OUT/measure.log" >> "$OUT/summary.txt"
   exit $status
   ;;
-*) echo "phase must be build or measure, not '$PHASE'"; exit 2 ;;
+contender)
+  # weights drawn on the device (the timing does not depend on their values); compile per history
+  for quant in ${CONTENDER_QUANT:-none int4}; do
+    timeout -k 10 "${CONTENDER_BUDGET_S:-280}" python3 benchmarks/gptfast.py --config "$CONFIG" --out "$OUT" --random-on-device \
+      --quantize "$quant" --history 1024 16384 --steps 50 > "$OUT/gptfast_$quant.log" 2>&1 || status=1
+    echo "gptfast $quant rc $status (${SECONDS}s)" | tee -a "$OUT/summary.txt"
+    grep -E "history|self-check|compiled" "$OUT/gptfast_$quant.log" >> "$OUT/summary.txt"
+  done
+  exit $status
+  ;;
+*) echo "phase must be build, measure or contender, not '$PHASE'"; exit 2 ;;
 esac

@@ -4,7 +4,7 @@ weights replaced by ``dequantize(quantize(W))`` (``reference/weight_quant.py``, 
 artifacts store; ``check`` shows the compiled step computes the same values), against the float
 model over the first 256 tokens of the quality text, teacher-forced in chunks of 64: top-1
 agreement, perplexity, the largest logit error. Also with the lm_head left float, and with int4
-groups of 32 (which fit the GGUF file's own Q4_1 blocks of 32).
+groups of 32 (which fit the GGUF file's own Q4_1 blocks of 32), and the noise floor: the float model cast to bf16.
 
     python scripts/quality_study.py
 """
@@ -37,3 +37,15 @@ for scheme, group, skip in [("int8", None, False), ("int8", None, True), ("int4"
     agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
     ppl = torch.nn.functional.cross_entropy(got, tgt).exp().item()
     print(scheme, group, "skip lm_head" if skip else "all", f"top1 {agree*100:.1f}% ppl {ppl:.3f} (float {torch.nn.functional.cross_entropy(ref, tgt).exp().item():.3f}) maxerr {(got-ref).abs().max():.3f}", flush=True)
+# The noise floor of the measure: the same float model cast to bf16 (rounding alone), and how many
+# of the 256 positions have their top two logits within 0.1 / 0.3 / 1 of each other.
+import copy
+m_half = copy.deepcopy(m).to(torch.bfloat16)
+m, m_float = m_half, m
+half = run()
+m = m_float
+print(f"bf16 cast of the float model: top1 {(half.argmax(-1) == ref.argmax(-1)).float().mean().item()*100:.1f}% "
+      f"ppl {torch.nn.functional.cross_entropy(half, tgt).exp().item():.3f}", flush=True)
+gap = ref.topk(2, -1).values
+gap = gap[:, 0] - gap[:, 1]
+print("positions with the top-2 logits within 0.1 / 0.3 / 1:", *(int((gap < g).sum()) for g in (0.1, 0.3, 1.0)))

@@ -30,7 +30,7 @@ from offgraph_export.frontends.hf.oracle import TransformersOracle
 from offgraph_export.models import ModelBundle
 from offgraph_export.specs.cache_config import CacheConfig
 
-__all__ = ["OffgraphCausalLM", "check_bundle_options", "checkpoint_bundle", "load_hf_bundle", "wrap_model"]
+__all__ = ["OffgraphCausalLM", "check_bundle_options", "checkpoint_bundle", "load_hf_bundle", "step_inputs", "wrap_model"]
 
 
 class OffgraphCausalLM(nn.Module):
@@ -46,6 +46,13 @@ class OffgraphCausalLM(nn.Module):
         with stepping(self.windows, position), using_attention(self.hf, ATTENTION_NAME):
             out = self.hf(input_ids=tokens, position_ids=position.unsqueeze(0), use_cache=False)
         return out.logits
+
+
+def step_inputs(tokens: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A transformers model's step inputs for ``tokens`` ``[B, T]`` starting at position ``start``:
+    the ids and their positions (what every ``hf:`` bundle's ``make_inputs`` is; a benchmark that
+    needs no weights takes it from here)."""
+    return tokens, torch.arange(start, start + tokens.shape[1], dtype=torch.int64, device=tokens.device)
 
 
 def wrap_model(hf_model: nn.Module, source: str = "model") -> tuple[OffgraphCausalLM, dict[int, int]]:
@@ -130,9 +137,7 @@ def checkpoint_bundle(
     if config.max_write < 2:
         raise ExportError(f"{source}: max_write must be at least 2 to export a dynamic token width")
 
-    def make_inputs(tokens: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return tokens, torch.arange(start, start + tokens.shape[1], dtype=torch.int64, device=tokens.device)
-
+    make_inputs = step_inputs
     tokenizer = checkpoint.tokenizer
     return ModelBundle(
         model=wrapped,
