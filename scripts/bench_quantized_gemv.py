@@ -38,7 +38,11 @@ SHAPES = {  # name: (weight rows N, K, norm, gated, residual, copies)
     "down+residual": (2048, 8192, False, False, True, LAYERS),
     "lm_head+norm": (128256, 2048, True, False, False, 4),
 }
-CONFIGS = [(1, 1024, 4), (2, 1024, 4), (4, 1024, 4), (2, 2048, 4), (4, 2048, 8), (8, 512, 4)]
+#: (BLOCK_N, BLOCK_K, warps). More rows a program amortize what every program reloads whatever
+#: its rows (x, the norm's weight, the rstd pass: 6 bytes a column against a quarter or half a byte
+#: a column a weight row), so the quantized sweep goes to 32 rows.
+CONFIGS = [(1, 1024, 4), (2, 1024, 4), (4, 1024, 4), (2, 2048, 4), (4, 2048, 8), (8, 512, 4),
+           (8, 1024, 8), (16, 256, 4), (16, 512, 4), (16, 512, 8), (32, 256, 8)]
 GROUP = 128
 
 

@@ -162,22 +162,23 @@ def _products(w_ptr, s_ptr, z_ptr, w_rows, s_rows, row_ok, k0, K, xa, xb, dt: tl
 @triton.jit
 def _int4_group_sums(w_ptr, s_ptr, z_ptr, w_rows, s_rows, row_ok, k0, K, xa, xb,
                      GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """int4 products dequantized per group rather than per value: ``s * sum((q - 8) * x) + z *
-    sum(x)`` over each group of the chunk (``[BLOCK_N, BLOCK_K // GROUP]``), the same value as the
-    per-value form up to ``W'``'s rounding to the output dtype, with two multiplies a group instead
-    of three operations and two casts a value."""
+    """int4 products dequantized per group rather than per value: ``s * sum(q * x) + (z - 8 s) *
+    sum(x)`` (``= s * sum((q - 8) x) + z * sum(x)``) over each group of the chunk (``[BLOCK_N,
+    BLOCK_K // GROUP]``), the same value as the per-value form up to ``W'``'s rounding to the output
+    dtype and fp32's, with a convert and a multiply-add a value and two multiplies a group (the
+    ``- 8`` folded into the group's zero term, the ``sum(x)`` shared by the block's rows)."""
     half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     even = 2 * half
     ok = row_ok[:, None] & (even < K)[None, :]
     b = tl.load(w_ptr + w_rows[:, None] + half[None, :], mask=ok, other=0)
-    p = ((b & 15).to(tl.float32) - 8.0) * xa[None, :] + ((b >> 4).to(tl.float32) - 8.0) * xb[None, :]
+    p = (b & 15).to(tl.float32) * xa[None, :] + (b >> 4).to(tl.float32) * xb[None, :]
     sums = tl.sum(tl.reshape(p, (BLOCK_N, BLOCK_K // GROUP, GROUP // 2)), axis=2)
     xsum = tl.sum(tl.reshape(xa + xb, (BLOCK_K // GROUP, GROUP // 2)), axis=1)
     groups = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
     gok = row_ok[:, None] & (groups * GROUP < K)[None, :]
     s = tl.load(s_ptr + s_rows[:, None] + groups[None, :], mask=gok, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + s_rows[:, None] + groups[None, :], mask=gok, other=0.0).to(tl.float32)
-    return sums * s + z * xsum[None, :]
+    return sums * s + (z - 8.0 * s) * xsum[None, :]
 
 
 @triton.jit
