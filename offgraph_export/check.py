@@ -36,6 +36,7 @@ from offgraph_export.runtime.program import LoadedProgram
 from offgraph_export.runtime.session import Session
 from offgraph_export.specs.artifact import STEP_METHOD, ArtifactSpecs
 from offgraph_export.specs.manifest import CacheManifest, LayerManifest, paged_row, ring_rows, storage_row
+from offgraph_export.specs.quantization import PT2_SCHEMES, PTE_SCHEMES
 
 __all__ = [
     "StepReport",
@@ -244,31 +245,24 @@ def _compare_stored(step: StepReport, name: str, got: torch.Tensor, want: torch.
     if nonfinite:
         step.problems.append(f"{name}: stored rows {nonfinite}")
     elif not err <= atol + rtol * scale:
-        if not _within_reference(step, f"{name} rows", got, want, reference, atol):
-            step.problems.append(f"{name}: stored rows differ from the oracle's K/V by {err:.3e}" + _reference_text(got, want, reference, atol))
+        why = _second_chance(step, f"{name} rows", got, want, reference, tolerance)
+        if why is not None:
+            step.problems.append(f"{name}: stored rows differ from the oracle's K/V by {err:.3e}{why}")
 
 
-def _within_reference(step: StepReport, what: str, got: torch.Tensor, want: torch.Tensor,
-                      reference: torch.Tensor | None, atol: float) -> bool:
-    """The second chance of a half-precision comparison over the fixed tolerance: ``got`` no further
-    from the float32 oracle's ``reference`` than :data:`REFERENCE_MULTIPLIER` times the eager
-    ``want`` is (RMS, plus a tenth of the dtype's atol); recorded in ``step.by_reference``."""
-    if reference is None or reference.shape != want.shape:
-        return False
-    errors = reference_errors(got.float(), want.float(), reference.to(want.device), atol / 10)
-    if errors.ok:
-        step.by_reference.append(
-            f"{what}: over the fixed tolerance, within the float32 reference's (RMS {errors.artifact:.2e} <= "
-            f"{errors.allowed:.2e}: {REFERENCE_MULTIPLIER:g} x eager's {errors.eager:.2e} + {atol / 10:.0e})"
-        )
-    return errors.ok
-
-
-def _reference_text(got: torch.Tensor, want: torch.Tensor, reference: torch.Tensor | None, atol: float) -> str:
+def _second_chance(step: StepReport, what: str, got: torch.Tensor, want: torch.Tensor,
+                   reference: torch.Tensor | None, tolerance: tuple[float, float]) -> str | None:
+    """A half-precision comparison over the fixed tolerance, judged against the float32 oracle's
+    ``reference`` (:func:`~offgraph_export.reference.upcast.reference_errors`): None when it passes
+    that way (recorded in ``step.by_reference``), else the text its problem ends with."""
     if reference is None or reference.shape != want.shape:
         return ""
-    errors = reference_errors(got.float(), want.float(), reference.to(want.device), atol / 10)
-    return f"; against the float32 reference RMS {errors.artifact:.2e} > {errors.allowed:.2e} allowed (eager's {errors.eager:.2e})"
+    errors = reference_errors(got, want, reference.to(want.device), tolerance)
+    if errors.ok:
+        step.by_reference.append(f"{what}: over the fixed tolerance, as the eager model is; against the float32 run "
+                                 + errors.describe())
+        return None
+    return f"; against the float32 run: {errors.problem} ({errors.describe()})"
 
 
 def _difference(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float, str]:
@@ -297,11 +291,9 @@ def _compare_outputs(step: StepReport, got: torch.Tensor, want: torch.Tensor, to
     if nonfinite:
         step.problems.append(f"output values {nonfinite}")
     elif not step.max_abs_err <= step.tolerance:  # also catches NaN
-        if not _within_reference(step, "output", got, want, reference, atol):
-            step.problems.append(
-                f"output differs from eager by {step.max_abs_err:.3e} > tolerance {step.tolerance:.3e}"
-                + _reference_text(got, want, reference, atol)
-            )
+        why = _second_chance(step, "output", got, want, reference, tolerance)
+        if why is not None:
+            step.problems.append(f"output differs from eager by {step.max_abs_err:.3e} > tolerance {step.tolerance:.3e}{why}")
 
 
 def _other_form(held: HeldRows, layer: LayerManifest) -> tuple[int, int, int] | None:
@@ -358,6 +350,24 @@ def _form_note(layer: LayerManifest, other: tuple[int, int, int]) -> str:
 # -- replay ------------------------------------------------------------------------------------
 
 
+def _refuse_foreign_quantization(specs: ArtifactSpecs, path: str | Path) -> None:
+    """The specs are untrusted: a quantization scheme the artifact's format never holds (8da4w in a
+    ``.pt2``, int8/int4 in a ``.pte``) or 8da4w on a model not in float32 could not come from an
+    export, and would pick an oracle and a tolerance of their own: refused before any step."""
+    spec = specs.quantization
+    if spec is None:
+        return
+    pte = str(path).endswith(".pte")
+    allowed = PTE_SCHEMES if pte else PT2_SCHEMES
+    if spec.scheme not in allowed:
+        raise OffgraphError(
+            f"{path}: its specs record {spec.scheme} weights, which a {'.pte' if pte else '.pt2'} never holds "
+            f"(expected one of {', '.join(allowed)}): not an export's specs"
+        )
+    if spec.scheme == "8da4w" and specs.model_dtype not in (None, "float32"):
+        raise OffgraphError(f"{path}: its specs record 8da4w weights on a {specs.model_dtype} model; 8da4w is float32 only")
+
+
 def _tolerance(dtype: torch.dtype, specs: ArtifactSpecs | None = None) -> tuple[float, float]:
     scheme = specs.quantization.scheme if specs is not None and specs.quantization is not None else None
     if scheme in QUANTIZED_TOLERANCES:
@@ -408,21 +418,22 @@ def _float32_twin(model: torch.nn.Module, out_dtype: torch.dtype, wanted: bool |
     if wanted is False or (wanted is None and out_dtype not in HALF_DTYPES):
         return None
     if out_dtype not in HALF_DTYPES:
-        raise OffgraphError(f"a float32 reference needs a bfloat16 or float16 model; this one computes in {out_dtype}")
-    subclassed = [n for n, p in model.named_parameters() if type(p.data) is not torch.Tensor]
+        raise OffgraphError(
+            f"a float32 reference needs a bfloat16 or float16 model; this one computes in {out_dtype}: drop --float32-reference"
+        )
+    subclassed = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if type(p.data) is not torch.Tensor]
     if subclassed:
         if wanted:
             raise OffgraphError(
-                f"no float32 reference for a model holding tensor subclasses ({subclassed[0]}: "
-                f"{type(model.get_parameter(subclassed[0]).data).__name__}); drop --float32-reference"
+                f"no float32 reference for a model holding tensor subclasses ({subclassed[0]}); drop --float32-reference"
             )
         report.notes.append(f"no float32 reference: {len(subclassed)} weights are tensor subclasses (torchao)")
         return None
     twin = Float32Twin(model)
     report.notes.append(
         f"float32 reference: the eager model also runs with its {twin.tensors} {str(out_dtype).removeprefix('torch.')} "
-        f"tensors upcast; a comparison over the fixed tolerance passes when its RMS error against that run is "
-        f"at most {REFERENCE_MULTIPLIER:g} x the eager model's (lines marked ~)"
+        f"tensors upcast; a comparison over the fixed tolerance passes where the eager model misses it too and "
+        f"the artifact is within {REFERENCE_MULTIPLIER:g}x the eager model's error against that run (lines marked ~)"
     )
     return twin
 
@@ -560,6 +571,7 @@ def check_artifact(
             f"prefill_chunks={prefill_chunks} cannot fit: the artifact holds at most "
             f"{manifest.max_capacity} tokens (max capacity)"
         )
+    _refuse_foreign_quantization(artifact.specs, artifact.path)
     sched = list(schedule) if schedule is not None else default_schedule(manifest, decode_steps, prefill_chunks, seed)
     _check_schedule(sched, manifest)
     report = CheckReport(
@@ -643,13 +655,15 @@ def check_batched(
     seed: int = 0,
     cuda_graphs: bool = False,
     pool_pages: int | None = None,
+    float32_reference: bool | None = None,
 ) -> CheckReport:
     """Run ``sessions`` sessions through a batched artifact's :class:`BatchedRunner` with seeded
     random joins and leaves, each step packing decode tokens and prefill chunks of several
     sessions, and check every session's every step against its own eager oracle: its outputs,
     the pool rows the step wrote (exactly its tokens' rows, read through its pages; for a ring its
     slot's rows) and their values. ``steps`` (default: enough for early sessions to wrap every
-    ring and cross several pages). Never raises for a mismatch (see the report)."""
+    ring and cross several pages); ``float32_reference`` as for :func:`check_artifact` (each
+    session gets a float32 oracle too). Never raises for a mismatch (see the report)."""
     from offgraph_export.runtime.batched import BatchedRunner
 
     if isinstance(bundle, str):
@@ -670,12 +684,13 @@ def check_batched(
         steps = wave * -(-sessions // paging.max_sessions) + 8
     if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_CHECK_STEPS:
         raise OffgraphError(f"steps={steps!r} must be an int in [1, {MAX_CHECK_STEPS}]")
+    _refuse_foreign_quantization(artifact.specs, artifact.path)
     runner = BatchedRunner(artifact, pool_pages=pool_pages, poison=True, cuda_graphs=cuda_graphs)
     report = CheckReport(artifact=str(artifact.path), model=artifact.specs.model, device=str(artifact.device),
                          seed=seed, schedule=[], sessions=0)
     try:
         with _oracle_weights(bundle.model.to(artifact.device), artifact.specs, report):
-            _replay_batched(runner, bundle, report, sessions, steps)
+            _replay_batched(runner, bundle, report, sessions, steps, float32_reference)
     finally:
         for sid in runner.sessions:
             runner.close(sid)
@@ -686,7 +701,8 @@ def check_batched(
     return report
 
 
-def _replay_batched(runner, bundle: ModelBundle, report: CheckReport, sessions: int, steps: int) -> None:
+def _replay_batched(runner, bundle: ModelBundle, report: CheckReport, sessions: int, steps: int,
+                    float32_reference: bool | None = None) -> None:
     manifest = runner.manifest
     paging = runner.paging
     device = runner.device
@@ -697,6 +713,8 @@ def _replay_batched(runner, bundle: ModelBundle, report: CheckReport, sessions: 
     rng = random.Random(report.seed)
     gen = torch.Generator().manual_seed(report.seed)
     oracles: dict[int, Oracle] = {}
+    twin = _float32_twin(model, out_dtype, float32_reference, report)
+    references: dict[int, Oracle] = {}  # the sessions' float32 oracles (with a twin)
     tokens: dict[int, torch.Tensor] = {}
     number: dict[int, int] = {}  # runner id -> join number
     prefilling: set[int] = set()
@@ -714,6 +732,8 @@ def _replay_batched(runner, bundle: ModelBundle, report: CheckReport, sessions: 
                 number[sid] = joined
                 joined += 1
                 oracles[sid] = bundle.oracle(manifest)
+                if twin is not None:
+                    references[sid] = bundle.oracle(manifest)
                 tokens[sid] = torch.randint(0, bundle.vocab_size, (1, longest), generator=gen)
                 prefilling.add(sid)
             odds = 0.25 if joined < sessions else 0.05  # leave sooner while sessions wait for a slot
@@ -746,9 +766,13 @@ def _replay_batched(runner, bundle: ModelBundle, report: CheckReport, sessions: 
                 report.steps.append(step)
                 inputs = bundle.make_inputs(tokens[sid][:, start : start + n].to(device), start)
                 expected = oracles[sid].step(inputs)
-                _compare_outputs(step, outputs[sid][0], expected[0], out_tol)
+                reference = None
+                if twin is not None:
+                    with twin.active():
+                        reference = references[sid].step(_upcast_inputs(inputs))[0]
+                _compare_outputs(step, outputs[sid][0], expected[0], out_tol, reference)
                 _compare_paged_rows(step, runner, sid, list(range(start, start + n)), before, after, oracles[sid], storage_tol,
-                                    report.notes)
+                                    report.notes, references.get(sid))
                 if len(runner.pages(sid)) > pages_before[sid] and pages_before[sid]:
                     report.page_crossings += 1
                 for layer in manifest.layers:
@@ -813,9 +837,10 @@ def _compare_unwritten(report: CheckReport, index: int, runner, before, after, e
 
 
 def _compare_paged_rows(step: StepReport, runner, sid: int, positions: list[int], before, after, oracle: Oracle,
-                        tolerance: tuple[float, float], notes: list[str]) -> None:
-    """The rows of this session's tokens hold the oracle's K/V (those the oracle still holds);
-    layers whose eager cache holds another form are left out, once noted in ``notes``."""
+                        tolerance: tuple[float, float], notes: list[str], reference: Oracle | None = None) -> None:
+    """The rows of this session's tokens hold the oracle's K/V (those the oracle still holds;
+    ``reference``: the session's float32 oracle); layers whose eager cache holds another form are
+    left out, once noted in ``notes``."""
     manifest = runner.manifest
     for i, storage in enumerate(manifest.storage_inputs()):
         layer, which = manifest.owner(storage)
@@ -834,4 +859,5 @@ def _compare_paged_rows(step: StepReport, runner, sid: int, positions: list[int]
             continue
         want = (held[1] if which == "k" else held[2])[0][:, [index[p] for p in common]].transpose(0, 1).float()
         got = view[[_row_of(runner, sid, p, layer, rows) for p in common]].float().to(want.device)
-        _compare_stored(step, storage.name, got, want, tolerance)
+        ref = _held_rows(reference, layer.layer_id, which, common)
+        _compare_stored(step, storage.name, got, want, tolerance, None if ref is None else ref[0].transpose(0, 1))

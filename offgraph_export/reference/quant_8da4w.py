@@ -7,8 +7,8 @@ same thing: :func:`quantized_weight` turns a float ``[N, K]`` weight into torcha
 ``IntxUnpackedToInt8Tensor`` with ``Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4,
 weight_granularity=PerGroup(G))`` (ExecuTorch's own llama recipe for ``8da4w``):
 
-* weights: symmetric int4 per group of ``G`` consecutive input features, one float32 scale per
-  row and group, ``scale = max|W| / 7.5`` over the group, ``q = clamp(round(W / scale), -8, 7)``
+* weights: symmetric int4 per group of ``G`` consecutive input features, one scale per
+  row and group (rounded to bfloat16, as XNNPACK stores them), ``scale = max|W| / 7.5`` over the group, ``q = clamp(round(W / scale), -8, 7)``
   (stored one value per int8), zero points 0;
 * activations: at every call, asymmetric int8 per token (per row of the input), scale and zero
   point chosen from that row's min and max, ``x' = (clamp(round(x / s) + z, -128, 127) - z) * s``;
@@ -125,7 +125,7 @@ def quantized_8da4w_weights(model: torch.nn.Module, spec: QuantizationSpec) -> I
             if isinstance(old, torch.nn.Parameter) or old is None:
                 setattr(module, attr, old)
             else:
-                module.register_buffer(attr, old)  # type: ignore[arg-type]
+                module.register_buffer(attr, old, persistent=attr not in module._non_persistent_buffers_set)  # type: ignore[arg-type]
 
 
 def _replace(
@@ -158,4 +158,4 @@ def _replace(
     if isinstance(old, torch.nn.Parameter):
         setattr(owner, attr, value)
     else:
-        owner.register_buffer(attr, value.data)
+        owner.register_buffer(attr, value.data, persistent=attr not in owner._non_persistent_buffers_set)

@@ -123,7 +123,7 @@ def dequantized_weights(model: torch.nn.Module, spec: QuantizationSpec) -> Itera
             if isinstance(old, torch.nn.Parameter) or old is None:
                 setattr(module, attr, old)
             else:
-                module.register_buffer(attr, old)  # type: ignore[arg-type]
+                module.register_buffer(attr, old, persistent=attr not in module._non_persistent_buffers_set)  # type: ignore[arg-type]
 
 
 def _replace(
@@ -156,4 +156,4 @@ def _replace(
     if isinstance(old, torch.nn.Parameter):
         setattr(owner, attr, torch.nn.Parameter(value, requires_grad=False))
     else:
-        owner.register_buffer(attr, value)
+        owner.register_buffer(attr, value, persistent=attr not in owner._non_persistent_buffers_set)
