@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from offgraph_export.errors import ExportError, OffgraphError
-from offgraph_export.reference.weight_quant import QuantizedTensors, dequantize
+from offgraph_export.reference.weight_quant import INT4_MID, QuantizedTensors, dequantize
 from offgraph_export.specs.quantization import GROUP_SIZES, QuantizationSpec
 
 __all__ = [
@@ -50,7 +50,6 @@ ACCEPTED = (
     f"granularity=PerGroup({'|'.join(map(str, GROUP_SIZES))})), symmetric"
 )
 
-_INT4_MID = 8
 
 #: the config each torchao class comes from, and why it is refused where it always is
 _REFUSED_CLASSES = {
@@ -164,7 +163,7 @@ def _intx_tensor(name: str, value: torch.Tensor) -> QuantizedTensors:
     if block[0] != 1 or group not in GROUP_SIZES or k % group or scale.shape != (n, k // group):
         raise _refuse(name, value, config, f"int4 in blocks of {block} is not per group of {'|'.join(map(str, GROUP_SIZES))} input features")
     scales = _exact_scales(name, value, config, scale, value.dtype).contiguous()
-    nibbles = (qdata.to(torch.int16) + _INT4_MID).to(torch.uint8)
+    nibbles = (qdata.to(torch.int16) + INT4_MID).to(torch.uint8)
     packed = (nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).contiguous()
     return QuantizedTensors("int4", packed, scales, torch.zeros_like(scales), group)
 

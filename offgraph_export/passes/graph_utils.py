@@ -20,6 +20,8 @@ from offgraph_export.specs.artifact import InputSpec, SymbolRange
 __all__ = [
     "ASSERT_METADATA",
     "attr_tensor",
+    "weight_linears",
+    "read_elsewhere",
     "drop_unused_attrs",
     "retrace_rewritten",
     "binary_operands",
@@ -289,3 +291,26 @@ def replace_node(ep: ExportedProgram, old: torch.fx.Node, new: torch.fx.Node) ->
     for spec in ep.graph_signature.output_specs:
         if isinstance(spec.arg, TensorArgument) and spec.arg.name == old.name:
             spec.arg = TensorArgument(name=new.name)
+
+
+def weight_linears(gm: torch.fx.GraphModule) -> dict[str, list[torch.fx.Node]]:
+    """The linears whose weight argument is a 2-D floating attribute, by the attribute's name, in
+    graph order."""
+    found: dict[str, list[torch.fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target != torch.ops.aten.linear.default or len(node.args) < 2:
+            continue
+        weight = attr_tensor(gm, node.args[1])
+        if weight is not None and weight.dim() == 2 and weight.is_floating_point():
+            found.setdefault(str(node.args[1].target), []).append(node)
+    return found
+
+
+def read_elsewhere(gm: torch.fx.GraphModule, target: str, linears: list[torch.fx.Node]) -> bool:
+    """Whether any node other than these linears (as their weight) reads attribute ``target``."""
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and str(node.target) == target:
+            for user in node.users:
+                if user not in linears or user.args[1] is not node or node in (*user.args[:1], *user.args[2:]):
+                    return True
+    return False

@@ -23,8 +23,7 @@ import torch
 from torch.export import ExportedProgram
 
 from offgraph_export.errors import ExportError, OffgraphError
-from offgraph_export.passes.graph_utils import attr_tensor, op_arguments, retrace_rewritten
-from offgraph_export.passes.quantize_weights import _read_elsewhere, _weight_linears
+from offgraph_export.passes.graph_utils import attr_tensor, op_arguments, read_elsewhere, retrace_rewritten, weight_linears
 from offgraph_export.passes.result import PassResult
 from offgraph_export.reference.quant_8da4w import SCHEME, DynamicQuantLinear, quantized_weight
 from offgraph_export.specs.quantization import QuantizationSpec, QuantizedWeight
@@ -41,7 +40,7 @@ def quantize_8da4w(
     parameters each program weight was made of where that is not the weight itself (the fused
     ones)."""
     gm = ep.module()
-    groups = _weight_linears(gm)
+    groups = weight_linears(gm)
     if not groups:
         return PassResult(ep, modified=False, produced=None)
     graph = gm.graph
@@ -54,7 +53,7 @@ def quantize_8da4w(
             quantized = quantized_weight(weight, group_size, name=target)
         except OffgraphError as exc:
             raise ExportError(f"--quantize {SCHEME}: {exc}") from None
-        shared = _read_elsewhere(gm, target, linears)
+        shared = read_elsewhere(gm, target, linears)
         module_name = f"offgraph_8da4w_{index}"
         gm.add_submodule(module_name, DynamicQuantLinear(quantized))
         for node in linears:

@@ -32,7 +32,7 @@ from torch import fx
 from torch.export import ExportedProgram
 
 from offgraph_export.errors import ExportError, OffgraphError
-from offgraph_export.passes.graph_utils import attr_tensor, retrace_rewritten
+from offgraph_export.passes.graph_utils import attr_tensor, read_elsewhere, retrace_rewritten, weight_linears
 from offgraph_export.passes.result import PassResult
 from offgraph_export.ops.quantized import dequantize_weight
 from offgraph_export.reference.weight_quant import QuantizedTensors, dequantize, quantize
@@ -40,7 +40,6 @@ from offgraph_export.specs.quantization import QuantizationSpec, QuantizedWeight
 
 __all__ = ["quantize_weights", "QuantizedLinearWeight"]
 
-_aten = torch.ops.aten
 
 
 class QuantizedLinearWeight(torch.nn.Module):
@@ -56,29 +55,6 @@ class QuantizedLinearWeight(torch.nn.Module):
 
     def forward(self) -> torch.Tensor:
         return dequantize_weight(self.qweight, self.scales, self.zeros, self.group_size or 0, self.dtype)
-
-
-def _weight_linears(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
-    """The linears whose weight argument is a 2-D floating attribute, by the attribute's name, in
-    graph order."""
-    found: dict[str, list[fx.Node]] = {}
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target != _aten.linear.default or len(node.args) < 2:
-            continue
-        weight = attr_tensor(gm, node.args[1])
-        if weight is not None and weight.dim() == 2 and weight.is_floating_point():
-            found.setdefault(str(node.args[1].target), []).append(node)
-    return found
-
-
-def _read_elsewhere(gm: fx.GraphModule, target: str, linears: list[fx.Node]) -> bool:
-    """Whether any node other than these linears (as their weight) reads attribute ``target``."""
-    for node in gm.graph.nodes:
-        if node.op == "get_attr" and str(node.target) == target:
-            for user in node.users:
-                if user not in linears or user.args[1] is not node or node in (*user.args[:1], *user.args[2:]):
-                    return True
-    return False
 
 
 def quantize_weights(
@@ -101,7 +77,7 @@ def quantize_weights(
         assert group_size is not None
         return quantize_8da4w(ep, example_inputs, group_size, sources)
     gm = ep.module()
-    groups = _weight_linears(gm)
+    groups = weight_linears(gm)
     if not groups:
         return PassResult(ep, modified=False, produced=None)
     graph = gm.graph
@@ -124,7 +100,7 @@ def quantize_weights(
             except OffgraphError as exc:
                 raise ExportError(f"--quantize {scheme}: {exc}") from None
         index = len(records)
-        shared = _read_elsewhere(gm, target, linears)
+        shared = read_elsewhere(gm, target, linears)
         module_name = f"offgraph_quant_{index}"
         gm.add_submodule(module_name, QuantizedLinearWeight(form, weight.dtype))
         with graph.inserting_before(linears[0]):

@@ -30,7 +30,8 @@ from contextlib import contextmanager
 import torch
 
 from offgraph_export.errors import OffgraphError
-from offgraph_export.specs.quantization import QuantizationSpec, QuantizedWeight, group_problem
+from offgraph_export.reference.weight_quant import replaced_weights
+from offgraph_export.specs.quantization import QuantizationSpec, group_problem
 
 __all__ = ["SCHEME", "WEIGHT_DTYPE", "torchao_config", "quantized_weight", "quantized_8da4w_weights", "DynamicQuantLinear"]
 
@@ -97,65 +98,19 @@ class DynamicQuantLinear(torch.nn.Module):
         return torch.nn.functional.linear(x, self.weight, bias)
 
 
-def _holders(model: torch.nn.Module, param: torch.Tensor) -> list[torch.nn.Linear]:
-    return [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight is param]
-
-
 @contextmanager
 def quantized_8da4w_weights(model: torch.nn.Module, spec: QuantizationSpec) -> Iterator[int]:
     """``model`` as the oracle of an artifact quantized as ``spec`` (scheme ``8da4w``), for the
-    ``with`` block: every source weight replaced by :func:`quantized_weight` of it, as a new
-    parameter of the ``nn.Linear`` modules that hold it (a tied table keeps its float values for
-    its other readers), or by name where no ``nn.Linear`` holds it and nothing else reads it. The
-    linears then run torchao's 8da4w in PyTorch. Yields how many weights it replaced; every
-    replaced attribute is put back on exit. Raises :class:`OffgraphError` naming a source the
-    model lacks or cannot take."""
+    ``with`` block: every source weight replaced by :func:`quantized_weight` of it
+    (``weight_quant.replaced_weights``: the same holders, tied tables and restores as the
+    weight-only oracle). The linears then run torchao's 8da4w in PyTorch. Yields how many weights
+    it replaced. Raises :class:`OffgraphError` naming a source the model lacks or cannot take."""
     if spec.scheme != SCHEME or spec.group_size is None:
         raise OffgraphError(f"quantized_8da4w_weights takes an 8da4w spec, not {spec.scheme}")
-    params = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
-    undo: list[tuple[torch.nn.Module, str, object]] = []
-    try:
-        with torch.no_grad():
-            for entry in spec.weights:
-                for source in entry.sources:
-                    _replace(model, params, source, entry, spec.group_size, undo)
-        yield len(undo)
-    finally:
-        for module, attr, old in reversed(undo):
-            if isinstance(old, torch.nn.Parameter) or old is None:
-                setattr(module, attr, old)
-            else:
-                module.register_buffer(attr, old, persistent=attr not in module._non_persistent_buffers_set)  # type: ignore[arg-type]
+    group_size = spec.group_size
 
+    def value(weight: torch.Tensor, source: str) -> torch.Tensor:
+        return torch.nn.Parameter(quantized_weight(weight, group_size, source), requires_grad=False)
 
-def _replace(
-    model: torch.nn.Module, params: dict[str, torch.Tensor], source: str, entry: QuantizedWeight,
-    group_size: int, undo: list[tuple[torch.nn.Module, str, object]],
-) -> None:
-    weight = params.get(source)
-    if weight is None:
-        raise OffgraphError(f"the artifact quantized {source}, which the model has no parameter or buffer named")
-    if weight.dim() != 2 or weight.shape[1] != entry.shape[1]:
-        raise OffgraphError(
-            f"the artifact quantized {source} as [*, {entry.shape[1]}], but the model's is {list(weight.shape)} {weight.dtype}"
-        )
-    value = torch.nn.Parameter(quantized_weight(weight, group_size, source), requires_grad=False)
-    holders = _holders(model, weight)
-    if not holders and entry.shared:
-        raise OffgraphError(
-            f"{source} is read by a linear and by other nodes, and no nn.Linear holds it: the oracle cannot "
-            "quantize it for the linear alone"
-        )
-    if holders:
-        for module in holders:
-            undo.append((module, "weight", module.weight))
-            module.weight = value
-        return
-    owner_name, _, attr = source.rpartition(".")
-    owner = model.get_submodule(owner_name) if owner_name else model
-    old = getattr(owner, attr)
-    undo.append((owner, attr, old))
-    if isinstance(old, torch.nn.Parameter):
-        setattr(owner, attr, value)
-    else:
-        owner.register_buffer(attr, value.data, persistent=attr not in owner._non_persistent_buffers_set)
+    with replaced_weights(model, spec, value) as replaced:
+        yield replaced

@@ -14,7 +14,7 @@ tinygemm (``aten._weight_int4pack_mm``) and torchao's weight-only int4 take.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -23,11 +23,12 @@ import torch
 from offgraph_export.errors import OffgraphError
 from offgraph_export.specs.quantization import QuantizationSpec, QuantizedWeight, group_problem
 
-__all__ = ["QuantizedTensors", "quantize", "dequantize", "dequantize_graph", "dequantized_weights"]
+__all__ = ["INT4_MID", "QuantizedTensors", "quantize", "dequantize", "dequantize_graph", "dequantized_weights", "replaced_weights"]
 
 _INT8_MAX = 127
 _INT4_MAX = 15
-_INT4_MID = 8
+#: the int4 zero level: ``(q - INT4_MID) * scale + zero``
+INT4_MID = 8
 #: the smallest step a scale takes (a constant row or group would otherwise divide by zero)
 _EPS = torch.finfo(torch.float32).tiny
 
@@ -73,7 +74,7 @@ def quantize(weight: torch.Tensor, scheme: str, group_size: int | None = None, n
         scales = ((hi - lo) / _INT4_MAX).clamp_min(_EPS)
         q = torch.round((groups - lo[..., None]) / scales[..., None]).clamp_(0, _INT4_MAX).to(torch.uint8).reshape(n, k)
         packed = q[:, 0::2] | (q[:, 1::2] << 4)
-        zeros = lo + _INT4_MID * scales
+        zeros = lo + INT4_MID * scales
         return QuantizedTensors("int4", packed.contiguous(), scales.to(weight.dtype), zeros.to(weight.dtype), group_size)
     raise OffgraphError(f"unknown quantization scheme {scheme!r}; expected int8 or int4")
 
@@ -89,7 +90,7 @@ def dequantize_graph(
     low = torch.bitwise_and(qweight, 15)
     high = torch.bitwise_right_shift(qweight, 4)
     q = torch.stack([low, high], dim=-1).reshape(n, -1, group_size).to(torch.float32)
-    w = (q - _INT4_MID) * scales.to(torch.float32)[..., None] + zeros.to(torch.float32)[..., None]
+    w = (q - INT4_MID) * scales.to(torch.float32)[..., None] + zeros.to(torch.float32)[..., None]
     return w.reshape(n, -1).to(dtype)
 
 
@@ -105,18 +106,33 @@ def _holders(model: torch.nn.Module, param: torch.Tensor) -> list[torch.nn.Linea
 @contextmanager
 def dequantized_weights(model: torch.nn.Module, spec: QuantizationSpec) -> Iterator[int]:
     """``model`` as the oracle of an artifact quantized as ``spec``, for the ``with`` block: every
-    source weight replaced by ``dequantize(quantize(W))``, as a new parameter of the ``nn.Linear``
-    modules that hold it (a tied table keeps its float values for its other readers), or by name
-    where no ``nn.Linear`` holds it and nothing else reads it. Yields how many weights it replaced;
-    every replaced attribute is put back on exit. Raises
-    :class:`~offgraph_export.errors.OffgraphError` naming a source the model lacks or cannot take."""
+    source weight replaced by ``dequantize(quantize(W))`` (:func:`replaced_weights`). Yields how
+    many weights it replaced."""
+    def value(weight: torch.Tensor, source: str) -> torch.Tensor:
+        return dequantize(quantize(weight, spec.scheme, spec.group_size, source))
+
+    with replaced_weights(model, spec, value) as replaced:
+        yield replaced
+
+
+@contextmanager
+def replaced_weights(
+    model: torch.nn.Module, spec: QuantizationSpec, value: Callable[[torch.Tensor, str], torch.Tensor],
+) -> Iterator[int]:
+    """``model`` with every source weight of ``spec`` replaced by ``value(W, source)`` for the
+    ``with`` block (the oracle of a quantized artifact: the scheme's rule decides the value), as a
+    new parameter of the ``nn.Linear`` modules that hold it (a tied table keeps its float values for
+    its other readers), or by name where no ``nn.Linear`` holds it and nothing else reads it (a
+    buffer keeps its persistence). Yields how many attributes it replaced; every one is put back
+    on exit. Raises :class:`~offgraph_export.errors.OffgraphError` naming a source the model lacks
+    or cannot take."""
     params = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
     undo: list[tuple[torch.nn.Module, str, object]] = []
     try:
         with torch.no_grad():
             for entry in spec.weights:
                 for source in entry.sources:
-                    _replace(model, params, source, entry, spec, undo)
+                    _replace(model, params, source, entry, value, undo)
         yield len(undo)
     finally:
         for module, attr, old in reversed(undo):
@@ -128,7 +144,7 @@ def dequantized_weights(model: torch.nn.Module, spec: QuantizationSpec) -> Itera
 
 def _replace(
     model: torch.nn.Module, params: dict[str, torch.Tensor], source: str, entry: QuantizedWeight,
-    spec: QuantizationSpec, undo: list[tuple[torch.nn.Module, str, object]],
+    value_of: Callable[[torch.Tensor, str], torch.Tensor], undo: list[tuple[torch.nn.Module, str, object]],
 ) -> None:
     weight = params.get(source)
     if weight is None:
@@ -137,23 +153,24 @@ def _replace(
         raise OffgraphError(
             f"the artifact quantized {source} as [*, {entry.shape[1]}], but the model's is {list(weight.shape)} {weight.dtype}"
         )
-    value = dequantize(quantize(weight, spec.scheme, spec.group_size, source))
+    value = value_of(weight, source)
+    param = value if isinstance(value, torch.nn.Parameter) else torch.nn.Parameter(value, requires_grad=False)
     holders = _holders(model, weight)
     if not holders and entry.shared:
         raise OffgraphError(
             f"{source} is read by a linear and by other nodes, and no nn.Linear holds it: the oracle cannot "
-            "dequantize it for the linear alone"
+            "replace it for the linear alone"
         )
     if holders:
         for module in holders:
             undo.append((module, "weight", module.weight))
-            module.weight = torch.nn.Parameter(value, requires_grad=False)
+            module.weight = param
         return
     owner_name, _, attr = source.rpartition(".")
     owner = model.get_submodule(owner_name) if owner_name else model
     old = getattr(owner, attr)
     undo.append((owner, attr, old))
     if isinstance(old, torch.nn.Parameter):
-        setattr(owner, attr, torch.nn.Parameter(value, requires_grad=False))
+        setattr(owner, attr, param)
     else:
-        owner.register_buffer(attr, value, persistent=attr not in owner._non_persistent_buffers_set)
+        owner.register_buffer(attr, param.data, persistent=attr not in owner._non_persistent_buffers_set)
