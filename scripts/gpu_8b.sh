@@ -35,11 +35,11 @@ build)
 measure)
   [ -f "$ART/offgraph.pt2" ] || { echo "no $ART/offgraph.pt2: run the build phase first on the same warm machine"; exit 2; }
   cp "$ART/offgraph_build.json" "$OUT/" 2>/dev/null
-  timeout -k 10 "${CHECK_BUDGET_S:-240}" python3 -m offgraph_export check "$ART/offgraph.pt2" --model "hf:$CONFIG" \
+  timeout -k 10 "${CHECK_BUDGET_S:-300}" python3 -m offgraph_export check "$ART/offgraph.pt2" --model "hf:$CONFIG" \
     --steps 6 --cuda-graphs > "$OUT/check_graphs.txt" 2>&1 || status=1
   echo "check (graphs) rc $status (${SECONDS}s): $(head -1 "$OUT/check_graphs.txt")" | tee -a "$OUT/summary.txt"
   grep -iE "load" "$OUT/check_graphs.txt" | head -3 >> "$OUT/summary.txt"
-  timeout -k 10 "${MEASURE_BUDGET_S:-300}" $B measure --config "$CONFIG" --out "$OUT" --artifacts "$ART" \
+  timeout -k 10 "${MEASURE_BUDGET_S:-250}" $B measure --config "$CONFIG" --out "$OUT" --artifacts "$ART" \
     --history 1024 16384 --steps 50 --max-capacity "${MAX_CAPACITY:-16896}" > "$OUT/measure.log" 2>&1 || status=1
   echo "measure rc $status (${SECONDS}s)" | tee -a "$OUT/summary.txt"
   tail -5 "$OUT/measure.log" >> "$OUT/summary.txt"
