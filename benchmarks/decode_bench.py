@@ -15,6 +15,8 @@ bf16 weights from seed 0, batch 1):
 * ``hf-compile``: the same static-cache module under ``torch.compile(mode=
   "max-autotune-no-cudagraphs")`` replayed as a CUDA graph (the gpt-fast recipe).
 * ``hf-eager``: transformers eager with its static cache, for the prefill of a 1024-token prompt.
+* ``gptfast`` (``benchmarks/gptfast.py``, run by ``run.sh`` after these): a static-cache Llama written
+  the gpt-fast way under torch.compile, replayed as a CUDA graph; ``gptfast-int8``/``-int4`` too.
 
 Per contender and history: decode ms/token (median of ``--steps`` steps, CUDA events around each
 step, host work included), tokens/s, the floor (weights + the history's K/V bytes, read once at

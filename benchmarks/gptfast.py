@@ -265,7 +265,7 @@ def measure(args) -> None:
     decode = torch.compile(lambda idx, pos: model(idx, pos), mode="max-autotune-no-cudagraphs", fullgraph=True)
     dev = db.device()
     rows, compile_s, breakdown = [], {}, {}
-    with torch.no_grad():
+    with db.measuring(out), torch.no_grad():  # one contender measures at a time (run.sh runs several)
         bw_file = out / "copy_bandwidth.json"
         bw = json.loads(bw_file.read_text()) if bw_file.exists() else db.copy_bandwidth(out)
         floor = db.floor_fn(bw["bytes_per_s"], weights, kv_per_token)
@@ -322,7 +322,7 @@ def main() -> None:
     parser.add_argument("--random-on-device", action="store_true",
                         help="draw the random weights on the device (an 8B model: no minute of host init); "
                              "the timing does not depend on the values")
-    args = parser.parse_args()
+    args, _ = parser.parse_known_args()  # benchmarks/run.sh passes decode_bench's options along
     measure(args)
 
 

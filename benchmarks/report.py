@@ -11,9 +11,13 @@ import sys
 from pathlib import Path
 
 
-#: the static-cache contenders' result files; every other ``NAME.json`` with a ``NAME_build.json``
-#: beside it is one of this project's variants (``decode_bench.py`` VARIANTS, whichever ran)
-THEIRS = ("hf_aoti", "hf_compile")
+#: the static-cache contenders' result files (``gptfast*``: ``benchmarks/gptfast.py``); every other
+#: ``NAME.json`` with a ``NAME_build.json`` beside it is one of this project's variants
+#: (``decode_bench.py`` VARIANTS, whichever ran)
+THEIRS = ("hf_aoti", "hf_compile", "gptfast", "gptfast_int8", "gptfast_int4")
+#: the float contenders this project's bf16 rows are compared with (the quantized gptfast rows are
+#: listed, not compared: they read other bytes)
+FLOAT_THEIRS = ("hf-aoti", "hf-compile", "gptfast")
 
 
 def _load(out: Path, name: str) -> dict | None:
@@ -65,7 +69,7 @@ def render(out: Path) -> str:
     for name in ours:
         for h in histories:
             mine = graph.get((name, h))
-            theirs = [(graph[(c, h)]["median_ms"], c) for c in ("hf-aoti", "hf-compile") if (c, h) in graph]
+            theirs = [(graph[(c, h)]["median_ms"], c) for c in FLOAT_THEIRS if (c, h) in graph]
             if mine and theirs:
                 best, who = min(theirs)
                 step, replay = mine["median_ms"], mine.get("replay_ms")
@@ -92,6 +96,10 @@ def render(out: Path) -> str:
     if results["hf_compile"]:
         first = _load(out, "hf_compile_build") or results["hf_compile"]  # BENCH_PHASE=build compiled it first
         lines.append(f"| hf-compile | {first['compile_s']:.0f} s (first call) | - | - |")
+    for name in THEIRS[2:]:
+        if results[name]:
+            compiled = ", ".join(f"{int(h):,}: {s:.0f} s" for h, s in results[name]["compile_s"].items())
+            lines.append(f"| {name.replace('_', '-')} | compiled per cache length ({compiled}) | - | - |")
     eager = _load(out, "hf_eager_prefill")
     if eager:
         lines.append(f"| hf-eager | - | - | {eager['median_ms']:.2f} ms |")

@@ -13,7 +13,8 @@
 # second, made within the machine's idle window, measures. Default: all, in one call.
 # The three builds run at once (CPU-bound compiles; their times overlap and are reported as
 # such); `check` of this project's packages against transformers with CUDA-graph decode; then
-# measurements, one contender at a time (the checks hold the same lock); then the checks with
+# measurements, one contender at a time (the checks hold the same lock; the gpt-fast-style contender
+# of benchmarks/gptfast.py after the others, BENCH_GPTFAST="none int4" for its int4 form too); then the checks with
 # ordinary launches while time allows (BENCH_BUDGET_S, default 560 s); then report.py writes OUT_DIR/report.md (and report.png where
 # matplotlib is installed). Packages go to $BENCH_ARTIFACTS (default /tmp/offgraph_bench).
 set -uo pipefail
@@ -88,6 +89,16 @@ check_variant() {
 for variant in $CHECKS; do check_variant "$variant" --cuda-graphs; done
 $B measure --out "$OUT" --artifacts "$ART" "$@" > "$OUT/measure.log" 2>&1 || { status=1; tail -20 "$OUT/measure.log"; }
 wait $compile_pid || { status=1; echo "hf-compile failed: $OUT/hf_compile.log"; tail -5 "$OUT/hf_compile.log"; }
+# the gpt-fast-style contender (benchmarks/gptfast.py: compiles per cache length, about 2 minutes at
+# the 1B shape), as time allows; BENCH_GPTFAST lists its weight forms (default: none, i.e. bf16)
+for quant in ${BENCH_GPTFAST-none}; do
+  if [ "$SECONDS" -lt $((BUDGET - 200)) ]; then
+    python3 benchmarks/gptfast.py --out "$OUT" --quantize "$quant" "$@" > "$OUT/gptfast_$quant.log" 2>&1 \
+      || { status=1; echo "gptfast $quant failed: $OUT/gptfast_$quant.log"; tail -5 "$OUT/gptfast_$quant.log"; }
+  else
+    echo "gptfast $quant skipped (time budget)"
+  fi
+done
 echo "[$(date +%T) +${SECONDS}s] measured"
 for variant in $CHECKS; do check_variant "$variant" ""; done
 python3 benchmarks/report.py "$OUT" || status=1

@@ -51,3 +51,21 @@ def test_report_lists_every_measured_variant_with_replay_and_decomposition(tmp_p
     assert "| offgraph | graph | 1,024 | 837 | 100 | 0 | 0 | 0 | 937 | 98 | 28 | 80 |" in text
     assert "| hf_compile | graph | 1,024 | 2327 | 100 | 0 | 0 | 0 | 2427 | 98 | 68 | (not timed) |" in text
     assert text.index("| 1,024 | offgraph 1.045") < text.index("| 1,024 | offgraph-unfused 1.551")
+
+
+def test_report_compares_with_the_gptfast_contender_and_lists_its_quantized_rows(tmp_path):
+    def dump(name, data):
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+
+    dump("offgraph_build", {"export_s": 4, "passes_s": 30, "compile_s": 140, "bytes": 2_479_000_000})
+    dump("offgraph", {"rows": [_row("offgraph", "graph", 1024, 1.0, 0.95)], "prefill_1024": {"median_ms": 6.0}})
+    dump("hf_compile", {"compile_s": 69, "rows": [_row("hf-compile", "graph", 1024, 2.5)]})
+    dump("gptfast", {"compile_s": {"1024": 72.0}, "rows": [_row("gptfast", "graph", 1024, 1.3)],
+                     "breakdown_1k": {"graph": _breakdown(1250.0)}})
+    dump("gptfast_int4", {"compile_s": {"1024": 80.0}, "rows": [_row("gptfast-int4", "graph", 1024, 0.9)]})
+    text = _report().render(tmp_path)
+    # the best float contender is the gpt-fast one; its int4 row is listed but not the comparison
+    assert "| 1,024 | offgraph 1.000 (0.950) ms | gptfast 1.300 ms | 1.30x (1.37x) |" in text
+    assert "| gptfast-int4 | graph | 1,024 | 0.900 |" in text
+    assert "| gptfast | compiled per cache length (1,024: 72 s) | - | - |" in text
+    assert "| gptfast | graph | 1,024 | 1150 | 100 |" in text
