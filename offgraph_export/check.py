@@ -213,12 +213,12 @@ def _compare_rows(
         held = oracle.held(layer.layer_id)
         if not _rows_comparable(oracle, held, layer):
             continue  # its cache holds another form (a note of the report)
-        index = {p: i for i, p in enumerate(held[0])} if held else {}
-        common = [p for p in positions if p in index]
+        kept = set(held[0]) if held else set()
+        common = [p for p in positions if p in kept]
         if not common:
             step.problems.append(f"{storage.name}: the oracle holds none of positions {_span(positions)}")
             continue
-        want = (held[1] if which == "k" else held[2])[:, :, [index[p] for p in common]].float()
+        want = _held_rows(oracle, layer.layer_id, which, common)
         got = new[:, :, [storage_row(p, rows) for p in common]].float().to(want.device)
         _compare_stored(step, storage.name, got, want, tolerance, _held_rows(reference, layer.layer_id, which, common))
 
@@ -852,12 +852,12 @@ def _compare_paged_rows(step: StepReport, runner, sid: int, positions: list[int]
             if note not in notes:
                 notes.append(note)
             continue  # its cache holds another form
-        index = {p: j for j, p in enumerate(held[0])} if held else {}
-        common = [p for p in positions if p in index]
+        kept = set(held[0]) if held else set()
+        common = [p for p in positions if p in kept]
         if not common:
             step.problems.append(f"{storage.name}: the oracle holds none of positions {_span(positions)}")
             continue
-        want = (held[1] if which == "k" else held[2])[0][:, [index[p] for p in common]].transpose(0, 1).float()
+        want = _held_rows(oracle, layer.layer_id, which, common)[0].transpose(0, 1)  # [n, Hkv, D]
         got = view[[_row_of(runner, sid, p, layer, rows) for p in common]].float().to(want.device)
         ref = _held_rows(reference, layer.layer_id, which, common)
         _compare_stored(step, storage.name, got, want, tolerance, None if ref is None else ref[0].transpose(0, 1))

@@ -23,6 +23,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def first_step_logits(program, make_inputs, tokens):
+    """The outputs' first tensor of ``tokens`` fed as one step through a fresh session of
+    ``program`` (closed after)."""
+    from offgraph_export.runtime.session import Session
+
+    session = Session(program)
+    try:
+        return session.feed(make_inputs, tokens)[0]
+    finally:
+        session.close()
+
+
 def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     """Run the ``offgraph-export`` CLI in a fresh interpreter."""
     proc = subprocess.run(

@@ -286,17 +286,13 @@ def test_int8_example_is_not_the_float_model(int8_example):
     from offgraph_export.check import TOLERANCES
     from offgraph_export.frontends import load_bundle
     from offgraph_export.runtime import load_artifact
-    from offgraph_export.runtime.session import Session
+    from tests.conftest import first_step_logits
 
     out, _ = int8_example
     bundle = load_bundle(EXAMPLE)
     program = load_artifact(str(out))
     tokens = torch.randint(0, bundle.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3))
-    session = Session(program)
-    try:
-        got = session.feed(bundle.make_inputs, tokens)[0]
-    finally:
-        session.close()
+    got = first_step_logits(program, bundle.make_inputs, tokens)
     inputs = tuple(bundle.make_inputs(tokens, 0))
     with torch.no_grad():
         want_float = bundle.oracle(program.specs.manifest).step(inputs)[0]

@@ -196,7 +196,7 @@ def test_int4_weight_only_packings_and_inexact_scales_are_refused():
 
     from offgraph_export.frontends.torchao_weights import convert_torchao_weights
 
-    with pytest.raises((ImportError, AssertionError, NotImplementedError, RuntimeError)):
+    with pytest.raises(ImportError, match="mslk"):  # torchao 0.18's default (plain) packing on a CPU torch
         ao.quantize_(_one_linear(torch.bfloat16), ao.Int4WeightOnlyConfig(group_size=32, set_inductor_config=False))
     model = _one_linear(torch.bfloat16)
     packed = Int4Tensor(torch.zeros(32, 32, dtype=torch.uint8), torch.ones(2, 32, dtype=torch.bfloat16),
@@ -360,16 +360,12 @@ def test_int8_torchao_artifact_logits_are_the_torchao_models_not_the_float_ones(
     vacuous."""
     from offgraph_export.check import TOLERANCES
     from offgraph_export.runtime import load_artifact
-    from offgraph_export.runtime.session import Session
+    from tests.conftest import first_step_logits
 
     program = load_artifact(str(int8_artifact))
     torchao_bundle, float_bundle = build_int8(), _example()
     tokens = torch.randint(0, float_bundle.vocab_size, (1, 12), generator=torch.Generator().manual_seed(5))
-    session = Session(program)
-    try:
-        got = session.feed(float_bundle.make_inputs, tokens)[0]
-    finally:
-        session.close()
+    got = first_step_logits(program, float_bundle.make_inputs, tokens)
     inputs = tuple(float_bundle.make_inputs(tokens, 0))
     with torch.no_grad():
         want = torchao_bundle.oracle(program.specs.manifest).step(inputs)[0]
