@@ -4,7 +4,9 @@ a call."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -16,10 +18,12 @@ __all__ = [
     "DIM_HINT_TAKES_RANGE",
     "DECOMPOSES_TRITON_OPS",
     "MODULE_CHECKS_GUARDS",
+    "INT_ARRAY_NAMES_KEYED_BY_BOUND_METHOD",
     "aoti_shim_lacks",
     "dynamic_dim",
     "decompose",
     "unlifted_module",
+    "fresh_int_array_names",
 ]
 
 
@@ -42,6 +46,48 @@ AOTI_CHECKS_LOWERBOUND: bool = hasattr(_inductor_config.aot_inductor, "check_low
 
 #: ``ExportedProgram.module(check_guards=...)``: the unlifted module may carry input guard checks.
 MODULE_CHECKS_GUARDS: bool = _accepts(ExportedProgram.module, "check_guards")
+
+
+def _int_array_cache_keyed_by_bound_method() -> bool:
+    try:
+        from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
+
+        source = inspect.getsource(CppWrapperCpu.codegen_int_array_var)
+    except (ImportError, AttributeError, OSError, TypeError):  # no such method, or no source shipped
+        return False
+    return "id(writeline)" in source and "__self__" not in source
+
+
+#: AOTInductor's C++ wrapper names each size/stride array once and reuses the name, caching it under
+#: ``id(writeline)``; on torch 2.11 ``writeline`` is a bound method, a new object at each access whose
+#: id a later bound method of ANOTHER buffer can get. A name declared inside one kernel launch's
+#: ``{ }`` block is then reused outside it and the wrapper fails to compile (``int_array_871 was not
+#: declared in this scope``, seen building the 8B decode method on an H100, depending on addresses).
+#: torch 2.13 keys on the buffer instead.
+INT_ARRAY_NAMES_KEYED_BY_BOUND_METHOD: bool = _int_array_cache_keyed_by_bound_method()
+
+
+@contextlib.contextmanager
+def fresh_int_array_names(force: bool = False) -> Iterator[None]:
+    """While open (on a torch whose wrapper caches array names under a bound method's id, or with
+    ``force``), every size/stride array the C++ wrapper uses is declared afresh right where it is
+    used (what the cache does on a miss), so no name can leak out of the block that declares it.
+    Costs a few more wrapper lines; changes nothing else."""
+    if not (INT_ARRAY_NAMES_KEYED_BY_BOUND_METHOD or force):
+        yield
+        return
+    from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
+
+    original = CppWrapperCpu.__dict__["codegen_int_array_var"]
+
+    def codegen_int_array_var(self, int_array, writeline, known_statically=False, graph=None):  # type: ignore[no-untyped-def]
+        return self._codegen_int_array_var_impl(int_array, writeline, known_statically)
+
+    CppWrapperCpu.codegen_int_array_var = codegen_int_array_var  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        CppWrapperCpu.codegen_int_array_var = original  # type: ignore[method-assign]
 
 
 def unlifted_module(ep: ExportedProgram) -> object:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
-from offgraph_export.compat import AOTI_CHECKS_LOWERBOUND, aoti_shim_lacks, unlifted_module
+from offgraph_export.compat import AOTI_CHECKS_LOWERBOUND, aoti_shim_lacks, fresh_int_array_names, unlifted_module
 from offgraph_export.errors import ArtifactError, ExportError
 from offgraph_export.lowering.output_files import publish, staging
 from offgraph_export.specs.archive import check_package_stem
@@ -164,9 +164,10 @@ def compile_package(
             constants = describe_constants(program_constants(ep))
             started = time.perf_counter()
             try:
-                files[method] = aot_compile(
-                    unlifted_module(ep), args, kwargs, options=inductor_configs(specs, method, constants)
-                )
+                with fresh_int_array_names():
+                    files[method] = aot_compile(
+                        unlifted_module(ep), args, kwargs, options=inductor_configs(specs, method, constants)
+                    )
             except Exception as exc:  # inductor raises many types; keep the cause chained
                 raise ExportError(f"AOTInductor compile of method {method!r} for {specs.device} failed: {exc}") from exc
             seconds = time.perf_counter() - started
