@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import fcntl
 import json
 import os
+import pstats
 import statistics
 import subprocess
 import sys
@@ -225,8 +227,16 @@ def _device_events(prof) -> list:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the parameters, a tied matrix counted once (``parameters()`` yields it once)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of weights a decode step reads: the parameters, a tied matrix counted once
+    (``parameters()`` yields it once), less an input embedding table that is not also the lm_head
+    (a step reads one row of it a token; the Llama-3.1-8B shape's is 1.05 GB of its 16.06)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    table = getattr(embed, "weight", None)
+    if table is not None and table is not getattr(head, "weight", None):
+        total -= table.numel() * table.element_size()
+    return total
 
 
 def kv_bytes_per_token(config) -> int:
@@ -365,8 +375,13 @@ def measure_offgraph(args, floor, name: str) -> dict:
 
     art = Path(args.artifacts) / f"{name}.pt2"
     sync()
+    if torch.cuda.is_available():  # blocks the allocator caches (the copy-rate buffers) would hide the weights in
+        torch.cuda.empty_cache()
     free0 = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
-    artifact = Artifact.load(art, single_threaded=torch.cuda.is_available())
+    profiler = cProfile.Profile()  # where a load's seconds go (the loader stage was 34-58 s on the GPU machine, unexplained)
+    artifact = profiler.runcall(Artifact.load, art, single_threaded=torch.cuda.is_available())
+    with open(Path(args.out) / f"{name}_load_profile.txt", "w") as fh:
+        pstats.Stats(profiler, stream=fh).sort_stats("cumulative").print_stats(40)
     loaded_bytes = free0 - torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
     log(f"{name} loaded in {artifact.load_s:.1f} s ({', '.join(f'{k} {v:.1f}' for k, v in artifact.load_seconds.items())}), "
         f"{loaded_bytes / 1e9:.2f} GB on the device")

@@ -61,3 +61,16 @@ def test_self_check_refuses_a_wrongly_packed_int4_weight():
             mod.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(swapped, gptfast.INNER_K_TILES)
     with pytest.raises(RuntimeError, match="differs from the eager model"):
         gptfast.self_check(model, hf, "int4")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_floor_counts_the_weights_a_step_reads_as_the_contender_does(tied):
+    """decode_bench's floor (every parameter, an untied input embedding table left out: a step
+    reads one row of it) and the contender's own count (its linears, norms and lm_head) agree."""
+    import decode_bench
+
+    hf = _llama(tied)
+    table = hf.get_input_embeddings().weight
+    assert decode_bench.weight_bytes(hf) == gptfast._weight_bytes(gptfast.Transformer(hf, "none"))
+    every = sum(p.numel() * p.element_size() for p in hf.parameters())
+    assert decode_bench.weight_bytes(hf) == every - (0 if tied else table.numel() * table.element_size())
