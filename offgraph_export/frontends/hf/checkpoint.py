@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from offgraph_export.errors import ExportError, first_line
+from offgraph_export.frontends.hf.random_weights import seeded_random_model
 from offgraph_export.frontends.hf.validate import (
     header_problems,
     loading_problems,
@@ -164,8 +165,7 @@ def load_hf_model(directory: str | os.PathLike, dtype: str | None = None, seed: 
                 dtype=torch_dtype, output_loading_info=True, ignore_mismatched_sizes=True,
             )
         else:
-            torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, trust_remote_code=False)
+            model = seeded_random_model(config, torch_dtype, seed)
     except Exception as exc:  # missing shards, unknown architectures, ...
         raise _fail(path, f"cannot build the model: {first_line(exc)}") from exc
     if weights and (problem := loading_problems(info)):
