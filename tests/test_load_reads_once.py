@@ -39,9 +39,19 @@ class _CountingFile(io.FileIO):
 
 
 def _counted(monkeypatch, module) -> list[tuple[int, int]]:
-    """The reads of every file ``module`` opens from now on (its ``open``, not the builtin)."""
+    """The reads of every file ``module`` opens from now on (its ``open``, not the builtin), and
+    its positional reads (``_pread``, where it has one: the weight reader's threads)."""
     log: list[tuple[int, int]] = []
     monkeypatch.setattr(module, "open", lambda name, mode="rb", *a, **k: _CountingFile(name, log), raising=False)
+    if hasattr(module, "_pread"):
+        pread = module._pread
+
+        def counted_pread(fd, size, offset):
+            data = pread(fd, size, offset)
+            log.append((offset, len(data)))
+            return data
+
+        monkeypatch.setattr(module, "_pread", counted_pread)
     return log
 
 

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import io
 import os
+from collections import deque
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import BinaryIO
 from typing import Annotated
 
@@ -198,6 +200,72 @@ def verify_unnamed_weight_files(path: str | os.PathLike, methods: list[str]) -> 
         raise ArtifactError(f"{source}: cannot read the weights: {exc}") from exc
 
 
+#: Weight files read, checksummed, unpickled and copied to the device at once (file reads, CRC-32,
+#: the copy out of the tensor file and the host-to-device copy release the GIL): an 8B package's
+#: 16 GB were read at 0.55 GB/s one file after another (H100 machine, torch 2.11).
+LOAD_WORKERS = 4
+
+
+#: the positional read the workers use (``os.pread``: no shared file offset)
+_pread = os.pread
+
+
+class _PositionalReader:
+    """``seek``/``read`` over a shared descriptor with a position of its own (``os.pread``), so
+    the workers read the one file the loader opened and checked, none sharing another's offset."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd, self._at = fd, 0
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        if whence != os.SEEK_SET:
+            raise ValueError("only absolute seeks")
+        self._at = offset
+        return offset
+
+    def read(self, size: int) -> bytes:
+        data = _pread(self._fd, size, self._at)
+        self._at += len(data)
+        return data
+
+
+def _loaded_tensor(fd: int, member: ArchiveMember, bound: int, device: torch.device, source: str) -> torch.Tensor:
+    """Weight file ``member`` on ``device``: read once, its CRC-32 verified as read, its layout
+    checked, then unpickled tensors-only straight onto ``device`` (its whole storage)."""
+    data = _read_tensor_file(_PositionalReader(fd), member, bound, source)  # type: ignore[arg-type]
+    try:
+        loaded = torch.load(io.BytesIO(data), map_location=device, weights_only=True)
+    except Exception as exc:  # a bad pickle raises UnpicklingError, others
+        raise ArtifactError(f"{source}: {member.name} is not a readable tensor file: {exc}") from exc
+    if not isinstance(loaded, torch.Tensor):
+        raise ArtifactError(f"{source}: {member.name} holds a {type(loaded).__name__}, not a tensor")
+    return loaded
+
+
+def _load_files(archive: BinaryIO, entries: Mapping[str, ArchiveMember], bounds: Mapping[str, int],
+                device: torch.device, source: str) -> dict[str, torch.Tensor]:
+    """Every weight file of ``entries`` (name -> member, in load order) on ``device``, up to
+    :data:`LOAD_WORKERS` at once (each read, verified, unpickled and copied to the device by its
+    thread), so at most that many files are held on the host. The first failure is raised and
+    nothing further is started."""
+    names = list(entries)
+    files: dict[str, torch.Tensor] = {}
+    workers = max(1, min(LOAD_WORKERS, os.cpu_count() or 1, len(names)))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="offgraph-weights") as pool:
+        pending: deque[Future[torch.Tensor]] = deque()
+        try:
+            for name in names:
+                pending.append(pool.submit(_loaded_tensor, archive.fileno(), entries[name], bounds[name], device, source))
+                if len(pending) > workers:
+                    files[names[len(files)]] = pending.popleft().result()
+            while pending:
+                files[names[len(files)]] = pending.popleft().result()
+        finally:
+            for future in pending:
+                future.cancel()
+    return files
+
+
 def load_method_weights(
     path: str | os.PathLike,
     methods: list[str],
@@ -220,21 +288,9 @@ def load_method_weights(
                     raise ArtifactError(f"{source}: a weights config names {file!r}, which the archive lacks")
                 bounds[file] = _check_tensor_file_size(members[entry], needed, source)
             # a weight file no config names is never loaded: verify_unnamed_weight_files checked it
-            files: dict[str, torch.Tensor] = {}
-            for views in configs.values():
-                for view in views.values():
-                    if view.file in files:
-                        continue
-                    member = members[f"{root}{WEIGHTS_DIR}{view.file}"]
-                    data = _read_tensor_file(archive, member, bounds[view.file], source)
-                    try:
-                        loaded = torch.load(io.BytesIO(data), map_location=device, weights_only=True)
-                    except Exception as exc:  # a bad pickle raises UnpicklingError, others
-                        raise ArtifactError(f"{source}: {member.name} is not a readable tensor file: {exc}") from exc
-                    del data
-                    if not isinstance(loaded, torch.Tensor):
-                        raise ArtifactError(f"{source}: {member.name} holds a {type(loaded).__name__}, not a tensor")
-                    files[view.file] = loaded
+            order = list(dict.fromkeys(view.file for views in configs.values() for view in views.values()))
+            entries = {file: members[f"{root}{WEIGHTS_DIR}{file}"] for file in order}
+            files = _load_files(archive, entries, bounds, device, source)
     except ArtifactError:
         raise
     except (OSError, *UNREADABLE_MEMBER) as exc:
