@@ -110,7 +110,7 @@ class ReferenceErrors:
     def why_ok(self) -> str:
         """How a comparison that passed this way passed, in a phrase."""
         return ("over the fixed tolerance, as the eager model is" if self.eager_drifts
-                else "within the fixed tolerance of the float32 run, the eager model on its other side")
+                else "over the fixed tolerance against the eager model, within it against the float32 run")
 
     def describe(self) -> str:
         return (f"RMS {self.artifact_rms:.2e} (allowed {self.allowed_rms:.2e}), largest {self.artifact_max:.2e} "
