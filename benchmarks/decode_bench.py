@@ -341,7 +341,10 @@ def build_hf_aoti(args) -> None:
     ep = torch.export.export(module, args=(), kwargs={"input_ids": ids, "cache_position": pos}, strict=True)
     export_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    path = torch._inductor.aoti_compile_and_package(ep, package_path=str(Path(args.artifacts) / "hf_aoti.pt2"))
+    from offgraph_export.compat import fresh_int_array_names  # torch 2.11's wrapper names (DEVICE.md)
+
+    with fresh_int_array_names():
+        path = torch._inductor.aoti_compile_and_package(ep, package_path=str(Path(args.artifacts) / "hf_aoti.pt2"))
     compile_s = time.perf_counter() - t0
     save(out, "hf_aoti_build", {
         "artifact": path, "export_s": export_s, "compile_s": compile_s, "bytes": os.path.getsize(path),
