@@ -50,6 +50,7 @@ from pathlib import Path
 
 from torch.export import ExportedProgram
 
+from offgraph_export.compat import fresh_int_array_names
 from offgraph_export.errors import ArtifactError, ExportError
 from offgraph_export.lowering.output_files import publish, staging
 from offgraph_export.specs.artifact import ArtifactSpecs
@@ -220,9 +221,11 @@ def compile_pte(
         extra["compile_config"] = EdgeCompileConfig(_check_ir_validity=False)
     try:
         constants = {**spec_constants(specs), **digest_placeholders(data_file=backend == "cuda")}
-        edge = to_edge_transform_and_lower(
-            ep, partitioner=_partitioners(backend, quant.scheme if quant else None), constant_methods=constants, **extra
-        )
+        with fresh_int_array_names():  # the cuda backend compiles through AOTInductor's C++ wrapper
+            edge = to_edge_transform_and_lower(
+                ep, partitioner=_partitioners(backend, quant.scheme if quant else None), constant_methods=constants,
+                **extra,
+            )
         _check_quantized_delegated(edge, specs)
         _attach_delegate_specs(edge, specs)
         program = edge.to_executorch(backend_config())
