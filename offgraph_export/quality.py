@@ -39,13 +39,18 @@ def default_text() -> str:
 
 
 class QualityReport(BaseModel):
-    """Logits of ``artifact`` against its float model over ``tokens`` teacher-forced positions."""
+    """Logits of ``artifact`` against a reference over ``tokens`` teacher-forced positions: its
+    float model, or another artifact of the same model (``reference``)."""
 
     artifact: str
     model: str
     device: str
     #: the artifact's quantization (``int8``, ``int4/128``), or ``float``
     weights: str
+    #: what it is scored against: ``"float model"`` or another artifact's path
+    reference: str = "float model"
+    #: that artifact's weights (as ``weights``); None against the float model
+    reference_weights: str | None = None
     tokens: int
     max_logit_error: float
     mean_logit_error: float
@@ -53,16 +58,19 @@ class QualityReport(BaseModel):
     top1_agreement: float
     #: perplexity of the text's next tokens under each (positions 1..tokens)
     perplexity: float
-    float_perplexity: float
+    reference_perplexity: float
 
     def render(self) -> str:
-        change = (self.perplexity / self.float_perplexity - 1) * 100
+        change = (self.perplexity / self.reference_perplexity - 1) * 100
+        against = (f"the float {self.model}" if self.reference_weights is None
+                   else f"{self.reference} ({self.reference_weights} weights)")
+        short = "float" if self.reference_weights is None else "reference"
         return "\n".join([
-            f"quality of {self.artifact} ({self.weights} weights) against the float {self.model} on {self.device}",
+            f"quality of {self.artifact} ({self.weights} weights) against {against} on {self.device}",
             f"  teacher-forced tokens  {self.tokens}",
             f"  top-1 agreement        {self.top1_agreement * 100:.1f}%",
             f"  logit error            max {self.max_logit_error:.3g}, mean {self.mean_logit_error:.3g}",
-            f"  perplexity             {self.perplexity:.3f} (float {self.float_perplexity:.3f}, {change:+.2f}%)",
+            f"  perplexity             {self.perplexity:.3f} ({short} {self.reference_perplexity:.3f}, {change:+.2f}%)",
         ])
 
 
@@ -125,22 +133,26 @@ def quality_report(
     bundle: ModelBundle | str,
     text: str | None = None,
     tokens: int = DEFAULT_TOKENS,
+    against: LoadedProgram | str | Path | None = None,
 ) -> QualityReport:
-    """Score ``artifact`` against ``bundle``'s float model on ``text`` (default: :func:`default_text`)
-    over its first ``tokens`` positions (fewer where the text or the artifact's capacity is shorter;
-    at least 8). Raises :class:`~offgraph_export.errors.OffgraphError` for a model without a
-    tokenizer or a text too short to score."""
+    """Score ``artifact`` against ``bundle``'s float model, or against the artifact ``against`` (of
+    the same model: a quantized artifact against its bf16 one), on ``text`` (default:
+    :func:`default_text`) over its first ``tokens`` positions (fewer where the text or either
+    artifact's capacity is shorter; at least 8). Raises
+    :class:`~offgraph_export.errors.OffgraphError` for a model without a tokenizer, a text too short
+    to score, or a reference whose logits do not compare position by position."""
     model_name = bundle if isinstance(bundle, str) else ""
     if isinstance(bundle, str):
         bundle = load_bundle(bundle)
     program = load_artifact(artifact) if isinstance(artifact, (str, Path)) else artifact
+    other = load_artifact(against) if isinstance(against, (str, Path)) else against
     if bundle.encode is None:
         raise OffgraphError("the model has no tokenizer to encode the quality text: use hf:DIR, gguf:FILE or a factory with encode")
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 8:
         raise OffgraphError(f"tokens={tokens!r} must be an int >= 8")
     ids = list(bundle.encode(default_text() if text is None else text))
-    manifest = program.specs.manifest
-    n = min(tokens, len(ids) - 1, manifest.max_capacity if manifest.has_flat else tokens)
+    n = min(tokens, len(ids) - 1, *(p.specs.manifest.max_capacity for p in (program, other)
+                                   if p is not None and p.specs.manifest.has_flat))
     if n < 8:
         raise OffgraphError(f"the text encodes to {len(ids)} tokens; the report needs at least 9")
     if any(not 0 <= i < bundle.vocab_size for i in ids[: n + 1]):
@@ -148,14 +160,17 @@ def quality_report(
     feed = torch.tensor([ids[:n]], dtype=torch.long)
     targets = torch.tensor(ids[1 : n + 1], dtype=torch.long)
     got = _artifact_logits(program, bundle, feed)
-    want = _float_logits(program, bundle, feed)
+    want = _float_logits(program, bundle, feed) if other is None else _artifact_logits(other, bundle, feed)
     if got.shape != want.shape or got.dim() != 2:
-        raise OffgraphError(f"the artifact's logits {tuple(got.shape)} and the model's {tuple(want.shape)} do not compare per position")
+        theirs = "the model's" if other is None else f"{other.path}'s"
+        raise OffgraphError(f"the artifact's logits {tuple(got.shape)} and {theirs} {tuple(want.shape)} do not compare per position")
     diff = (got - want).abs()
     return QualityReport(
         artifact=str(program.path), model=model_name or program.specs.model, device=str(program.device),
         weights=_weights(program), tokens=n,
+        reference="float model" if other is None else str(other.path),
+        reference_weights=None if other is None else _weights(other),
         max_logit_error=float(diff.max()), mean_logit_error=float(diff.mean()),
         top1_agreement=float((got.argmax(-1) == want.argmax(-1)).float().mean()),
-        perplexity=_perplexity(got, targets), float_perplexity=_perplexity(want, targets),
+        perplexity=_perplexity(got, targets), reference_perplexity=_perplexity(want, targets),
     )

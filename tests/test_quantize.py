@@ -312,7 +312,7 @@ def test_quality_of_a_float_artifact_is_the_compilers_error_alone(example_artifa
     report = quality_report(str(example_artifact), EXAMPLE, tokens=64)
     assert report.weights == "float" and report.tokens == 64
     assert report.top1_agreement == 1.0 and report.max_logit_error < 1e-3
-    assert report.perplexity == pytest.approx(report.float_perplexity, rel=1e-4)
+    assert report.perplexity == pytest.approx(report.reference_perplexity, rel=1e-4)
 
 
 def test_quality_of_the_int8_example_against_its_float_model(int8_example):
@@ -325,12 +325,33 @@ def test_quality_of_the_int8_example_against_its_float_model(int8_example):
     assert report.weights == "int8" and report.tokens == 256 and len(default_text()) > 2000
     assert 1e-3 < report.max_logit_error < 10 and 0 < report.mean_logit_error < report.max_logit_error
     assert 0.5 < report.top1_agreement <= 1.0
-    assert math.isfinite(report.perplexity) and report.perplexity == pytest.approx(report.float_perplexity, rel=0.1)
+    assert math.isfinite(report.perplexity) and report.perplexity == pytest.approx(report.reference_perplexity, rel=0.1)
     printed = json.loads(cli("quality", str(out), "--model", EXAMPLE, "--json").stdout)
     assert printed["top1_agreement"] == pytest.approx(report.top1_agreement)
     assert printed["max_logit_error"] == pytest.approx(report.max_logit_error, rel=1e-5)
     short = cli("quality", str(out), "--model", EXAMPLE, "--tokens", "16").stdout
     assert "teacher-forced tokens  16" in short and "top-1 agreement" in short
+
+
+def test_quality_against_another_artifact_scores_the_two_artifacts(int8_example, example_artifact):
+    """``--against``: the int8 artifact against the float artifact of the same model. The float
+    artifact computes the float model within 1e-3 (float32), so the scores are those against the
+    float model itself, within that."""
+    from offgraph_export.quality import quality_report
+
+    out, _ = int8_example
+    vs_model = quality_report(str(out), EXAMPLE, tokens=128)
+    vs_artifact = quality_report(str(out), EXAMPLE, tokens=128, against=str(example_artifact))
+    assert vs_artifact.reference == str(example_artifact) and vs_artifact.reference_weights == "float"
+    assert vs_model.reference == "float model" and vs_model.reference_weights is None
+    assert vs_artifact.max_logit_error == pytest.approx(vs_model.max_logit_error, abs=1e-3)
+    assert vs_artifact.reference_perplexity == pytest.approx(vs_model.reference_perplexity, rel=1e-4)
+    assert vs_artifact.perplexity == vs_model.perplexity
+    assert abs(vs_artifact.top1_agreement - vs_model.top1_agreement) <= 1 / 128
+    itself = quality_report(str(out), EXAMPLE, tokens=128, against=str(out))
+    assert itself.top1_agreement == 1.0 and itself.max_logit_error == 0.0
+    printed = cli("quality", str(out), "--model", EXAMPLE, "--tokens", "16", "--against", str(example_artifact)).stdout
+    assert f"against {example_artifact} (float weights)" in printed and "(reference " in printed
 
 
 def test_int4_batched_example_checks_every_session_and_scores_its_quality(tmp_path_factory):

@@ -419,15 +419,17 @@ def check(artifact, model_factory, recorded_model, steps, prefill_chunks, seed, 
 @click.option("--text", "text_file", type=click.Path(exists=True, dir_okay=False), help="A UTF-8 text file to score on (default: the text the package ships, about 480 words of plain English).")
 @click.option("--tokens", default=256, show_default=True, type=click.IntRange(8, 100_000), help="Teacher-forced positions to score (fewer if the text or the artifact's capacity is shorter).")
 @click.option("-a", "--arg", "factory_args", multiple=True, metavar="NAME=VALUE", help="Model argument (default: those recorded at export).")
+@click.option("--against", "against", type=click.Path(dir_okay=False), metavar="OTHER", help="Score against another artifact of the same model (for example the bf16 export a quantized one was made beside) instead of the eager float model.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def quality(artifact, model_factory, recorded_model, text_file, tokens, factory_args, as_json):
-    """How far ARTIFACT's logits are from its float model's (docs/design.md section 11).
+def quality(artifact, model_factory, recorded_model, text_file, tokens, factory_args, against, as_json):
+    """How far ARTIFACT's logits are from its float model's, or another artifact's (docs/design.md section 11).
 
     Feeds a text teacher-forced through the artifact and through the eager model with its float
-    weights, and reports the largest and mean logit difference, top-1 agreement (how often both
-    pick the same next token) and each one's perplexity on the text. Meant for quantized artifacts
-    (export --quantize), whose `check` compares against their own dequantized weights; a float
-    artifact measures the compiler's error alone. Exits 0 with a report, 2 when it cannot run."""
+    weights (or through the artifact OTHER of --against), and reports the largest and mean logit
+    difference, top-1 agreement (how often both pick the same next token) and each one's perplexity
+    on the text. Meant for quantized artifacts (export --quantize), whose `check` compares against
+    their own dequantized weights; a float artifact measures the compiler's error alone. Exits 0
+    with a report, 2 when it cannot run."""
     specs = _read_specs(artifact)
     _check_model_named(artifact, specs, model_factory, recorded_model)
     from offgraph_export.frontends import load_bundle
@@ -437,8 +439,10 @@ def quality(artifact, model_factory, recorded_model, text_file, tokens, factory_
     factory = _model_reference(artifact, specs, model_factory, recorded_model)
     bundle = cast_bundle(load_bundle(factory, **_model_args(artifact, specs, factory_args)), specs.model_dtype)
     text = Path(text_file).read_text(encoding="utf-8") if text_file else None
-    _say(safe_text(f"scoring {artifact} against the float {factory} on {specs.device}"))
-    report = quality_report(artifact, bundle, text=text, tokens=tokens)
+    if against is not None:
+        _read_specs(against)  # a clear error for a file that is no artifact, before any is loaded
+    _say(safe_text(f"scoring {artifact} against {against or 'the float ' + factory} on {specs.device}"))
+    report = quality_report(artifact, bundle, text=text, tokens=tokens, against=against)
     report.model = factory
     click.echo(json.dumps(report.model_dump(mode="json"), indent=2) if as_json else "\n".join(safe_text(line) for line in report.render().splitlines()))
 
