@@ -19,8 +19,8 @@ bf16 weights from seed 0, batch 1):
   the gpt-fast way under torch.compile, replayed as a CUDA graph; ``gptfast-int8``/``-int4`` too.
 
 Per contender and history: decode ms/token (median of ``--steps`` steps, CUDA events around each
-step, host work included), tokens/s, the floor (weights + the history's K/V bytes, read once at
-the measured copy rate) and the share of it achieved, KV bytes allocated; per contender: export +
+step, host work included), tokens/s, the floor (the weights a step reads, an untied embedding table
+left out, + the history's K/V bytes, read once at the measured copy rate) and the share of it achieved, KV bytes allocated; per contender: export +
 compile seconds, package bytes, prefill of 1024 tokens, and the GPU time of one decode step by
 kernel class (torch.profiler). This project's sessions reserve the rows they will use first
 (``Session.reserve(history + decode steps)``, as ``generate`` does for a prompt and its new

@@ -5,6 +5,7 @@ a call."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,7 @@ __all__ = [
     "DIM_HINT_TAKES_RANGE",
     "DECOMPOSES_TRITON_OPS",
     "MODULE_CHECKS_GUARDS",
-    "INT_ARRAY_NAMES_KEYED_BY_BOUND_METHOD",
+    "int_array_cache_keyed_by_bound_method",
     "aoti_shim_lacks",
     "dynamic_dim",
     "decompose",
@@ -48,37 +49,43 @@ AOTI_CHECKS_LOWERBOUND: bool = hasattr(_inductor_config.aot_inductor, "check_low
 MODULE_CHECKS_GUARDS: bool = _accepts(ExportedProgram.module, "check_guards")
 
 
-def _int_array_cache_keyed_by_bound_method() -> bool:
+def int_array_cache_keyed_by_bound_method(source: str | None = None) -> bool:
+    """Whether AOTInductor's C++ wrapper caches its size/stride array names under ``id(writeline)``
+    of a bound method (torch 2.11: a bound method is a new object at each access, and a later bound
+    method of ANOTHER buffer can get its id, so a name declared inside one kernel launch's ``{ }``
+    block is reused outside it and the wrapper fails to compile: ``int_array_871 was not declared in
+    this scope``, seen building the 8B decode method on an H100, depending on addresses; torch 2.13
+    keys on the buffer). Read from the installed ``codegen_int_array_var``'s ``source`` (given, or
+    that of the installed torch, once); without its source, assumed for torch before 2.13."""
+    if source is None:
+        return _installed_int_array_cache_keyed_by_bound_method()
+    return "id(writeline)" in source and "__self__" not in source
+
+
+@functools.cache
+def _installed_int_array_cache_keyed_by_bound_method() -> bool:
     try:
         from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
 
         source = inspect.getsource(CppWrapperCpu.codegen_int_array_var)
     except (ImportError, AttributeError, OSError, TypeError):  # no such method, or no source shipped
-        return False
-    return "id(writeline)" in source and "__self__" not in source
-
-
-#: AOTInductor's C++ wrapper names each size/stride array once and reuses the name, caching it under
-#: ``id(writeline)``; on torch 2.11 ``writeline`` is a bound method, a new object at each access whose
-#: id a later bound method of ANOTHER buffer can get. A name declared inside one kernel launch's
-#: ``{ }`` block is then reused outside it and the wrapper fails to compile (``int_array_871 was not
-#: declared in this scope``, seen building the 8B decode method on an H100, depending on addresses).
-#: torch 2.13 keys on the buffer instead.
-INT_ARRAY_NAMES_KEYED_BY_BOUND_METHOD: bool = _int_array_cache_keyed_by_bound_method()
+        return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+    return int_array_cache_keyed_by_bound_method(source)
 
 
 @contextlib.contextmanager
 def fresh_int_array_names(force: bool = False) -> Iterator[None]:
-    """While open (on a torch whose wrapper caches array names under a bound method's id, or with
-    ``force``), every size/stride array the C++ wrapper uses is declared afresh right where it is
-    used (what the cache does on a miss), so no name can leak out of the block that declares it.
-    Costs a few more wrapper lines; changes nothing else."""
-    if not (INT_ARRAY_NAMES_KEYED_BY_BOUND_METHOD or force):
+    """While open (on a torch whose wrapper caches array names under a bound method's id,
+    :func:`int_array_cache_keyed_by_bound_method`, or with ``force``), every size/stride array the
+    C++ wrapper uses is declared afresh right where it is used (what the cache does on a miss), so
+    no name can leak out of the block that declares it. Costs a few more wrapper lines; changes
+    nothing else. Not for use from several threads at once (it replaces a class attribute)."""
+    if not (force or int_array_cache_keyed_by_bound_method()):
         yield
         return
     from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
 
-    original = CppWrapperCpu.__dict__["codegen_int_array_var"]
+    original = CppWrapperCpu.__dict__.get("codegen_int_array_var")  # None: inherited
 
     def codegen_int_array_var(self, int_array, writeline, known_statically=False, graph=None):  # type: ignore[no-untyped-def]
         return self._codegen_int_array_var_impl(int_array, writeline, known_statically)
@@ -87,7 +94,10 @@ def fresh_int_array_names(force: bool = False) -> Iterator[None]:
     try:
         yield
     finally:
-        CppWrapperCpu.codegen_int_array_var = original  # type: ignore[method-assign]
+        if original is None:
+            del CppWrapperCpu.codegen_int_array_var
+        else:
+            CppWrapperCpu.codegen_int_array_var = original  # type: ignore[method-assign]
 
 
 def unlifted_module(ep: ExportedProgram) -> object:

@@ -18,7 +18,7 @@ from importlib import resources
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel
+from pydantic import AliasChoices, BaseModel, Field
 
 from offgraph_export.errors import OffgraphError
 from offgraph_export.frontends import load_bundle
@@ -58,7 +58,8 @@ class QualityReport(BaseModel):
     top1_agreement: float
     #: perplexity of the text's next tokens under each (positions 1..tokens)
     perplexity: float
-    reference_perplexity: float
+    #: the reference's perplexity (reports written before ``--against`` named it ``float_perplexity``)
+    reference_perplexity: float = Field(validation_alias=AliasChoices("reference_perplexity", "float_perplexity"))
 
     def render(self) -> str:
         change = (self.perplexity / self.reference_perplexity - 1) * 100

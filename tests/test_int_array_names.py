@@ -10,7 +10,7 @@ import torch
 from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
 from torch._inductor.utils import IndentedBuffer
 
-from offgraph_export.compat import fresh_int_array_names
+from offgraph_export.compat import fresh_int_array_names, int_array_cache_keyed_by_bound_method
 
 
 def _bare_wrapper() -> CppWrapperCpu:
@@ -34,9 +34,28 @@ def test_each_use_declares_its_array_where_it_is_written_and_the_method_comes_ba
     assert f"{first}[] = {{1L, 4096L}}" in scoped.getvalue() and first not in outer.getvalue()
     assert f"{second}[] = {{1L, 4096L}}" in outer.getvalue()
     assert CppWrapperCpu.__dict__["codegen_int_array_var"] is original
-    # unforced on a torch that keys the cache on the buffer: nothing is replaced
+    # unforced: replaced only on a torch whose cache keys on a bound method (2.11), else the cache stands
     with fresh_int_array_names():
-        assert wrapper.codegen_int_array_var("{2L}", outer.writeline) == wrapper.codegen_int_array_var("{2L}", outer.writeline)
+        same = wrapper.codegen_int_array_var("{2L}", outer.writeline) == wrapper.codegen_int_array_var("{2L}", outer.writeline)
+    assert same is not int_array_cache_keyed_by_bound_method()
+
+
+def test_the_cache_is_recognized_by_its_source():
+    """torch 2.11's form of the cache (keyed on ``id(writeline)``) turns the workaround on; 2.13's
+    (keyed on the bound method's ``__self__``) leaves it off."""
+    torch_2_11 = """
+        cache_key = (
+            int_array,
+            id(writeline),
+            known_statically,
+            id(graph) if graph else None,
+        )"""
+    torch_2_13 = """
+        writeline_id = (
+            id(writeline.__self__) if hasattr(writeline, "__self__") else id(writeline)
+        )"""
+    assert int_array_cache_keyed_by_bound_method(torch_2_11)
+    assert not int_array_cache_keyed_by_bound_method(torch_2_13)
 
 
 def test_a_package_compiled_with_fresh_names_runs_like_eager(tmp_path):

@@ -96,3 +96,29 @@ def test_a_flipped_byte_in_a_weight_is_refused_by_the_read_that_loads_it(example
         check_archive(path)  # a full check still reads it
     with pytest.raises(ArtifactError, match=message):
         Artifact.load(path)
+
+
+def test_once_a_weight_file_fails_no_further_file_is_started(example_artifact, monkeypatch):
+    """Two readers: the first file is slow, the second fails; the third waits for a free reader and
+    is then not started, and the load raises the failure."""
+    import time
+
+    started: list[str] = []
+    read = weights_module._read_tensor_file
+
+    def slow_then_failing(reader, member, bound, source):
+        started.append(member.name)
+        if len(started) == 1:
+            time.sleep(0.5)
+        elif len(started) == 2:
+            raise ArtifactError(f"{source}: {member.name}: refused here")
+        return read(reader, member, bound, source)
+
+    monkeypatch.setattr(weights_module, "_read_tensor_file", slow_then_failing)
+    monkeypatch.setattr(weights_module, "LOAD_WORKERS", 2)
+    monkeypatch.setattr(weights_module.os, "cpu_count", lambda: 2)
+    with pytest.raises(ArtifactError, match="refused here"):
+        Artifact.load(example_artifact)
+    with open(example_artifact, "rb") as file:
+        assert sum(is_weight_member(m.name) for m in check_layout(file, str(example_artifact))) > 3
+    assert len(started) == 2

@@ -39,11 +39,15 @@ def test_the_weights_depend_on_the_seed_not_on_the_threads(config):
 def test_the_draws_follow_the_models_own_initialization_once(config, monkeypatch):
     """Linear and embedding weights ~ N(0, initializer_range) (chunks not repeated), norms ones;
     torch's default (kaiming-uniform) layer initialization is never drawn."""
-    drawn = []
-    original = torch.Tensor.uniform_
-    monkeypatch.setattr(torch.Tensor, "uniform_", lambda self, *a, **k: drawn.append(self.shape) or original(self, *a, **k))
+    drawn, seeded = [], []
+    uniform, normal = torch.Tensor.uniform_, torch.Tensor.normal_
+    monkeypatch.setattr(torch.Tensor, "uniform_", lambda self, *a, **k: drawn.append(self.shape) or uniform(self, *a, **k))
+    monkeypatch.setattr(torch.Tensor, "normal_",
+                        lambda self, *a, **k: (k.get("generator") is not None and seeded.append(self.numel())) or normal(self, *a, **k))
     model = seeded_random_model(config, torch.float32, seed=0, workers=2)
     assert drawn == []
+    # the chunked draw ran: the embedding and lm_head, 3 chunks each, from their own generators
+    assert seeded.count(random_weights.NORMAL_CHUNK) == 4 and len(seeded) == 6
     head = model.lm_head.weight.detach().reshape(-1)
     assert head.numel() > 2 * random_weights.NORMAL_CHUNK
     assert abs(float(head.std()) - 0.02) < 2e-4 and abs(float(head.mean())) < 1e-4
@@ -53,3 +57,19 @@ def test_the_draws_follow_the_models_own_initialization_once(config, monkeypatch
     assert abs(float(q.std()) - 0.02) < 1e-3
     assert torch.equal(model.model.norm.weight, torch.ones_like(model.model.norm.weight))
     assert not torch.equal(model.model.embed_tokens.weight, model.lm_head.weight)
+
+
+def test_a_parameter_the_models_initialization_leaves_unset_is_refused_by_name(config, monkeypatch):
+    from transformers.models.llama import modeling_llama
+
+    from offgraph_export.errors import ExportError
+
+    init = modeling_llama.LlamaPreTrainedModel._init_weights
+
+    def skipping_norms(self, module):
+        if not isinstance(module, modeling_llama.LlamaRMSNorm):
+            init(self, module)
+
+    monkeypatch.setattr(modeling_llama.LlamaPreTrainedModel, "_init_weights", skipping_norms)
+    with pytest.raises(ExportError, match=r"leaves model\.layers\.0\.input_layernorm\.weight unset"):
+        seeded_random_model(config, torch.float32, seed=0, workers=1)

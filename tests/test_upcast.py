@@ -91,6 +91,14 @@ def test_rule_passes_what_is_as_close_as_eager_and_fails_what_is_further():
     assert other_side.ok and "within it against the float32 run" in other_side.why_ok
     beyond = ref - 1.2 * (eager - ref)  # as far on the other side as eager: over the tolerance against float32
     assert "no drift to allow for" in reference_errors(beyond, eager, ref, loose).problem
+    # a shallow model (no drift) whose artifact meets the tolerance against float32 but is far further
+    # from it than the eager model: the 3x bound keeps the fixed rule (the two may be up to 2x the
+    # tolerance apart only where each is as near float32 as that bound allows)
+    wide = (0.0, 40 * spread / float(ref.abs().max()))  # F = 40x the eager model's largest error
+    far_but_within = ref + 20 * (eager - ref)
+    assert float((far_but_within - ref).abs().max()) <= 40 * spread
+    shallow = reference_errors(far_but_within, eager, ref, wide)
+    assert not shallow.eager_drifts and not shallow.ok and "further from the float32 run" in shallow.problem
     # without a finite reference there is no second chance
     nan_ref = ref.clone()
     nan_ref[0, 0] = float("nan")

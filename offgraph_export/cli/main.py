@@ -440,7 +440,10 @@ def quality(artifact, model_factory, recorded_model, text_file, tokens, factory_
     bundle = cast_bundle(load_bundle(factory, **_model_args(artifact, specs, factory_args)), specs.model_dtype)
     text = Path(text_file).read_text(encoding="utf-8") if text_file else None
     if against is not None:
-        _read_specs(against)  # a clear error for a file that is no artifact, before any is loaded
+        other = _read_specs(against)  # a clear error for a file that is no artifact, before any is loaded
+        if (other.model, other.model_args) != (specs.model, specs.model_args):
+            _say(safe_text(f"note: {against} records the model {other.model!r} with {other.model_args}, {artifact} "
+                           f"{specs.model!r} with {specs.model_args}: the scores compare two models"))
     _say(safe_text(f"scoring {artifact} against {against or 'the float ' + factory} on {specs.device}"))
     report = quality_report(artifact, bundle, text=text, tokens=tokens, against=against)
     report.model = factory

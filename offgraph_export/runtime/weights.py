@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import io
 import os
+import threading
 from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -206,13 +207,15 @@ def verify_unnamed_weight_files(path: str | os.PathLike, methods: list[str]) -> 
 LOAD_WORKERS = 4
 
 
-#: the positional read the workers use (``os.pread``: no shared file offset)
-_pread = os.pread
+#: the positional read the workers use (``os.pread``: no shared file offset); None where the
+#: platform lacks it, and the files are then read one at a time through the loader's handle
+_pread = getattr(os, "pread", None)
 
 
 class _PositionalReader:
     """``seek``/``read`` over a shared descriptor with a position of its own (``os.pread``), so
-    the workers read the one file the loader opened and checked, none sharing another's offset."""
+    the workers read the one file the loader opened and checked, none sharing another's offset.
+    (One ``pread`` returns at most about 2 GiB on Linux; a larger member is read in parts.)"""
 
     def __init__(self, fd: int) -> None:
         self._fd, self._at = fd, 0
@@ -224,42 +227,81 @@ class _PositionalReader:
         return offset
 
     def read(self, size: int) -> bytes:
-        data = _pread(self._fd, size, self._at)
+        data = _pread(self._fd, size, self._at)  # type: ignore[misc]
         self._at += len(data)
         return data
 
 
-def _loaded_tensor(fd: int, member: ArchiveMember, bound: int, device: torch.device, source: str) -> torch.Tensor:
+class _Stopped(Exception):
+    """A file not started because another one failed."""
+
+
+class _FirstFailure:
+    """The first exception any worker raised (the one the load reports); once set, no further
+    file starts."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.error: BaseException | None = None
+
+    def record(self, error: BaseException) -> None:
+        with self._lock:
+            if self.error is None:
+                self.error = error
+
+
+def _loaded_tensor(reader: BinaryIO, member: ArchiveMember, bound: int, device: torch.device, source: str,
+                   failure: _FirstFailure) -> torch.Tensor:
     """Weight file ``member`` on ``device``: read once, its CRC-32 verified as read, its layout
-    checked, then unpickled tensors-only straight onto ``device`` (its whole storage)."""
-    data = _read_tensor_file(_PositionalReader(fd), member, bound, source)  # type: ignore[arg-type]
+    checked, then unpickled tensors-only straight onto ``device`` (its whole storage). Not started
+    once another file failed."""
+    if failure.error is not None:
+        raise _Stopped
     try:
-        loaded = torch.load(io.BytesIO(data), map_location=device, weights_only=True)
-    except Exception as exc:  # a bad pickle raises UnpicklingError, others
-        raise ArtifactError(f"{source}: {member.name} is not a readable tensor file: {exc}") from exc
-    if not isinstance(loaded, torch.Tensor):
-        raise ArtifactError(f"{source}: {member.name} holds a {type(loaded).__name__}, not a tensor")
-    return loaded
+        data = _read_tensor_file(reader, member, bound, source)
+        try:
+            loaded = torch.load(io.BytesIO(data), map_location=device, weights_only=True)
+        except Exception as exc:  # a bad pickle raises UnpicklingError, others
+            raise ArtifactError(f"{source}: {member.name} is not a readable tensor file: {exc}") from exc
+        if not isinstance(loaded, torch.Tensor):
+            raise ArtifactError(f"{source}: {member.name} holds a {type(loaded).__name__}, not a tensor")
+        return loaded
+    except BaseException as exc:
+        failure.record(exc)
+        raise
 
 
 def _load_files(archive: BinaryIO, entries: Mapping[str, ArchiveMember], bounds: Mapping[str, int],
                 device: torch.device, source: str) -> dict[str, torch.Tensor]:
     """Every weight file of ``entries`` (name -> member, in load order) on ``device``, up to
     :data:`LOAD_WORKERS` at once (each read, verified, unpickled and copied to the device by its
-    thread), so at most that many files are held on the host. The first failure is raised and
-    nothing further is started."""
+    thread), so at most that many files are held on the host. Once one fails no further file is
+    started, and that failure is raised."""
     names = list(entries)
     files: dict[str, torch.Tensor] = {}
-    workers = max(1, min(LOAD_WORKERS, os.cpu_count() or 1, len(names)))
+    workers = max(1, min(LOAD_WORKERS, os.cpu_count() or 1, len(names))) if _pread is not None else 1
+    failure = _FirstFailure()
+
+    def reader() -> BinaryIO:
+        return archive if _pread is None else _PositionalReader(archive.fileno())  # type: ignore[return-value]
+
+    def take(future: Future[torch.Tensor]) -> None:
+        try:
+            files[names[len(files)]] = future.result()
+        except _Stopped:
+            raise failure.error from None  # type: ignore[misc]
+
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="offgraph-weights") as pool:
         pending: deque[Future[torch.Tensor]] = deque()
         try:
             for name in names:
-                pending.append(pool.submit(_loaded_tensor, archive.fileno(), entries[name], bounds[name], device, source))
+                if failure.error is not None:
+                    raise failure.error
+                pending.append(pool.submit(_loaded_tensor, reader(), entries[name], bounds[name], device, source, failure))
                 if len(pending) > workers:
-                    files[names[len(files)]] = pending.popleft().result()
+                    take(pending.popleft())
             while pending:
-                files[names[len(files)]] = pending.popleft().result()
+                take(pending.popleft())
         finally:
             for future in pending:
                 future.cancel()
