@@ -231,10 +231,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
     (``parameters()`` yields it once), less an input embedding table that is not also the lm_head
     (a step reads one row of it a token; the Llama-3.1-8B shape's is 1.05 GB of its 16.06)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    table = getattr(embed, "weight", None)
-    if table is not None and table is not getattr(head, "weight", None):
+    table = model.get_input_embeddings().weight
+    if table is not getattr(model.get_output_embeddings(), "weight", None):
         total -= table.numel() * table.element_size()
     return total
 
@@ -381,10 +379,13 @@ def measure_offgraph(args, floor, name: str) -> dict:
     if torch.cuda.is_available():  # blocks the allocator caches (the copy-rate buffers) would hide the weights in
         torch.cuda.empty_cache()
     free0 = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
-    profiler = cProfile.Profile()  # where a load's seconds go (the loader stage was 34-58 s on the GPU machine, unexplained)
-    artifact = profiler.runcall(Artifact.load, art, single_threaded=torch.cuda.is_available())
-    with open(Path(args.out) / f"{name}_load_profile.txt", "w") as fh:
-        pstats.Stats(profiler, stream=fh).sort_stats("cumulative").print_stats(40)
+    if args.profile_load:  # where a load's seconds go (torch's loader took 34-58 s on the GPU machine, unexplained)
+        profiler = cProfile.Profile()
+        artifact = profiler.runcall(Artifact.load, art, single_threaded=torch.cuda.is_available())
+        with open(Path(args.out) / f"{name}_load_profile.txt", "w") as fh:
+            pstats.Stats(profiler, stream=fh).sort_stats("cumulative").print_stats(40)
+    else:
+        artifact = Artifact.load(art, single_threaded=torch.cuda.is_available())
     loaded_bytes = free0 - torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
     log(f"{name} loaded in {artifact.load_s:.1f} s ({', '.join(f'{k} {v:.1f}' for k, v in artifact.load_seconds.items())}), "
         f"{loaded_bytes / 1e9:.2f} GB on the device")
@@ -592,6 +593,8 @@ def main() -> None:
     parser.add_argument("--artifacts", help="where the compiled packages go (default: --out)")
     parser.add_argument("--history", type=int, nargs="+", default=[1024, 8192, 16384])
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--profile-load", action="store_true",
+                        help="write a cProfile of each artifact's load (the calling thread's: the weight reader's threads show as waits)")
     parser.add_argument("--max-capacity", type=int, default=32768)
     parser.add_argument("--max-cache-len", type=int, default=16384 + 128)
     parser.add_argument("--compile-only", action="store_true", help="hf-compile: compile (filling the inductor caches) and stop")

@@ -14,7 +14,8 @@ from pathlib import Path
 #: the static-cache contenders' result files (``gptfast*``: ``benchmarks/gptfast.py``); every other
 #: ``NAME.json`` with a ``NAME_build.json`` beside it is one of this project's variants
 #: (``decode_bench.py`` VARIANTS, whichever ran)
-THEIRS = ("hf_aoti", "hf_compile", "gptfast", "gptfast_int8", "gptfast_int4")
+GPTFAST = ("gptfast", "gptfast_int8", "gptfast_int4")
+THEIRS = ("hf_aoti", "hf_compile", *GPTFAST)
 #: the float contenders this project's bf16 rows are compared with (the quantized gptfast rows are
 #: listed, not compared: they read other bytes)
 FLOAT_THEIRS = ("hf-aoti", "hf-compile", "gptfast")
@@ -96,7 +97,7 @@ def render(out: Path) -> str:
     if results["hf_compile"]:
         first = _load(out, "hf_compile_build") or results["hf_compile"]  # BENCH_PHASE=build compiled it first
         lines.append(f"| hf-compile | {first['compile_s']:.0f} s (first call) | - | - |")
-    for name in THEIRS[2:]:
+    for name in GPTFAST:
         if results[name]:
             compiled = ", ".join(f"{int(h):,}: {s:.0f} s" for h, s in results[name]["compile_s"].items())
             lines.append(f"| {name.replace('_', '-')} | compiled per cache length ({compiled}) | - | - |")

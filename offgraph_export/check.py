@@ -17,7 +17,7 @@ every ring layer. The result is a :class:`CheckReport`; :func:`assert_artifact_m
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -218,34 +218,44 @@ def _compare_rows(
         if not common:
             step.problems.append(f"{storage.name}: the oracle holds none of positions {_span(positions)}")
             continue
-        want = _held_rows(oracle, layer.layer_id, which, common)
+        want = _held_rows(held, which, common)
         got = new[:, :, [storage_row(p, rows) for p in common]].float().to(want.device)
-        _compare_stored(step, storage.name, got, want, tolerance, _held_rows(reference, layer.layer_id, which, common))
+        _compare_stored(step, storage.name, got, want, tolerance, _reference_rows(reference, layer.layer_id, which, common))
 
 
-def _held_rows(oracle: Oracle | None, layer_id: int, which: str, positions: list[int]) -> torch.Tensor | None:
-    """The K (``which`` "k") or V rows ``oracle`` holds for ``positions``, in float32 (None: no
-    oracle, or it does not hold them all)."""
-    held = oracle.held(layer_id) if oracle is not None else None
+def _reference_rows(reference: Oracle | None, layer_id: int, which: str, positions: list[int],
+                    token_major: bool = False) -> Callable[[], torch.Tensor | None] | None:
+    """The float32 oracle's rows for ``positions`` (:func:`_held_rows`), read only when asked: only
+    a comparison over the fixed tolerance needs them."""
+    if reference is None:
+        return None
+    return lambda: _held_rows(reference.held(layer_id), which, positions, token_major)
+
+
+def _held_rows(held: HeldRows | None, which: str, positions: list[int], token_major: bool = False) -> torch.Tensor | None:
+    """The K (``which`` "k") or V rows of ``held`` (an oracle's rows of a layer) for
+    ``positions``, in float32, ``[B, Hkv, n, D]`` (``token_major``: batch 0's as ``[n, Hkv, D]``);
+    None: nothing held, or not all of them."""
     if not held:
         return None
     index = {p: i for i, p in enumerate(held[0])}
     if any(p not in index for p in positions):
         return None
-    return (held[1] if which == "k" else held[2])[:, :, [index[p] for p in positions]].float()
+    rows = (held[1] if which == "k" else held[2])[:, :, [index[p] for p in positions]].float()
+    return rows[0].transpose(0, 1) if token_major else rows
 
 
 def _compare_stored(step: StepReport, name: str, got: torch.Tensor, want: torch.Tensor, tolerance: tuple[float, float],
-                    reference: torch.Tensor | None = None) -> None:
+                    reference: Callable[[], torch.Tensor | None] | None = None) -> None:
     """Stored rows ``got`` against the oracle's ``want`` (the output rule, the storage dtype's
-    tolerance; ``reference``: the float32 oracle's rows, :func:`_within_reference`)."""
+    tolerance; ``reference``: gives the float32 oracle's rows, read only for a second chance)."""
     atol, rtol = tolerance
     err, scale, nonfinite = _difference(got, want)
     step.storage_max_err = max(step.storage_max_err, err)
     if nonfinite:
         step.problems.append(f"{name}: stored rows {nonfinite}")
     elif not err <= atol + rtol * scale:
-        why = _second_chance(step, f"{name} rows", got, want, reference, tolerance)
+        why = _second_chance(step, f"{name} rows", got, want, reference() if reference else None, tolerance)
         if why is not None:
             step.problems.append(f"{name}: stored rows differ from the oracle's K/V by {err:.3e}{why}")
 
@@ -410,6 +420,15 @@ def _oracle_weights(model: torch.nn.Module, specs: ArtifactSpecs, report: CheckR
         yield
 
 
+def _reference_step(twin: Float32Twin | None, oracle: Oracle | None, inputs: tuple) -> torch.Tensor | None:
+    """The float32 oracle's first output for the step's ``inputs`` (upcast), run with the twin's
+    weights; None without a twin."""
+    if twin is None or oracle is None:
+        return None
+    with twin.active():
+        return oracle.step(_upcast_inputs(inputs))[0]
+
+
 def _float32_twin(model: torch.nn.Module, out_dtype: torch.dtype, wanted: bool | None, report: CheckReport) -> Float32Twin | None:
     """The float32 twin of a half-precision model for the reference oracle (design section 6), or
     None: ``wanted`` False, or None (auto) with a float32 model or one holding tensor subclasses
@@ -492,11 +511,7 @@ def _replay(session: Session, bundle: ModelBundle, report: CheckReport, float32_
                 problems, notes = _check_manifest_model(oracle, manifest)
                 report.problems += problems
                 report.notes += notes
-            reference = None
-            if twin is not None:
-                with twin.active():
-                    reference = reference_oracle.step(_upcast_inputs(inputs))[0]
-            _compare_outputs(step, outputs[0], expected[0], out_tol, reference)
+            _compare_outputs(step, outputs[0], expected[0], out_tol, _reference_step(twin, reference_oracle, inputs))
             _compare_rows(step, manifest, before, session.storage.bound(), oracle, storage_tol, reference_oracle)
             if step.width_from_spec != width:
                 step.problems.append(f"spec width {step.width_from_spec} != tokens fed {width}")
@@ -766,10 +781,7 @@ def _replay_batched(runner, bundle: ModelBundle, report: CheckReport, sessions: 
                 report.steps.append(step)
                 inputs = bundle.make_inputs(tokens[sid][:, start : start + n].to(device), start)
                 expected = oracles[sid].step(inputs)
-                reference = None
-                if twin is not None:
-                    with twin.active():
-                        reference = references[sid].step(_upcast_inputs(inputs))[0]
+                reference = _reference_step(twin, references.get(sid), inputs)
                 _compare_outputs(step, outputs[sid][0], expected[0], out_tol, reference)
                 _compare_paged_rows(step, runner, sid, list(range(start, start + n)), before, after, oracles[sid], storage_tol,
                                     report.notes, references.get(sid))
@@ -857,7 +869,7 @@ def _compare_paged_rows(step: StepReport, runner, sid: int, positions: list[int]
         if not common:
             step.problems.append(f"{storage.name}: the oracle holds none of positions {_span(positions)}")
             continue
-        want = _held_rows(oracle, layer.layer_id, which, common)[0].transpose(0, 1)  # [n, Hkv, D]
+        want = _held_rows(held, which, common, token_major=True)
         got = view[[_row_of(runner, sid, p, layer, rows) for p in common]].float().to(want.device)
-        ref = _held_rows(reference, layer.layer_id, which, common)
-        _compare_stored(step, storage.name, got, want, tolerance, None if ref is None else ref[0].transpose(0, 1))
+        _compare_stored(step, storage.name, got, want, tolerance,
+                        _reference_rows(reference, layer.layer_id, which, common, token_major=True))

@@ -42,7 +42,7 @@ measure)
   rc=$?; [ $rc = 0 ] || status=1
   echo "check (graphs) rc $rc (${SECONDS}s): $(sed -n 2p "$OUT/check_graphs.txt")" | tee -a "$OUT/summary.txt"
   timeout -k 10 "${MEASURE_BUDGET_S:-160}" $B measure --config "$CONFIG" --out "$OUT" --artifacts "$ART" \
-    --history 1024 16384 --steps 50 --max-capacity "${MAX_CAPACITY:-16896}" > "$OUT/measure.log" 2>&1
+    --history 1024 16384 --steps 50 --max-capacity "${MAX_CAPACITY:-16896}" --profile-load > "$OUT/measure.log" 2>&1
   rc=$?; [ $rc = 0 ] || status=1
   echo "measure rc $rc (${SECONDS}s)" | tee -a "$OUT/summary.txt"
   grep -E "loaded in|history" "$OUT/measure.log" >> "$OUT/summary.txt"
@@ -56,8 +56,9 @@ contender)
   # weights drawn on the device (the timing does not depend on their values); compile per history
   for quant in ${CONTENDER_QUANT:-none int4}; do
     timeout -k 10 "${CONTENDER_BUDGET_S:-280}" python3 benchmarks/gptfast.py --config "$CONFIG" --out "$OUT" --random-on-device \
-      --quantize "$quant" --history 1024 16384 --steps 50 > "$OUT/gptfast_$quant.log" 2>&1 || status=1
-    echo "gptfast $quant rc $status (${SECONDS}s)" | tee -a "$OUT/summary.txt"
+      --quantize "$quant" --history 1024 16384 --steps 50 > "$OUT/gptfast_$quant.log" 2>&1
+    rc=$?; [ $rc = 0 ] || status=1
+    echo "gptfast $quant rc $rc (${SECONDS}s)" | tee -a "$OUT/summary.txt"
     grep -E "history|self-check|compiled" "$OUT/gptfast_$quant.log" >> "$OUT/summary.txt"
   done
   exit $status

@@ -55,7 +55,6 @@ SHAPE_SETS = {  # model shape: {name: (weight rows N, K, norm, gated, residual)}
         "down+residual": (3584, 18944, False, False, True),
     },
 }
-GEMV_SHAPES = SHAPE_SETS["llama-1b"]
 GEMV_BLOCKS = [(1, 1024), (1, 2048), (2, 512), (2, 1024), (2, 2048), (4, 512), (4, 1024), (4, 2048),
                (8, 256), (8, 512), (8, 1024)]
 HQ, HKV, D = 32, 8, 64
@@ -67,7 +66,7 @@ def graph_us(fn, reps: int = 30) -> float:
     return 1e3 * time_ms(fn, reps) / LAYERS
 
 
-def sweep_gemv(log, shapes: dict = GEMV_SHAPES, only: str | None = None) -> list[dict]:
+def sweep_gemv(log, shapes: dict, only: str | None = None) -> list[dict]:
     rows = []
     for name, (n, k, norm, gated, residual) in shapes.items():
         if only and only not in name:

@@ -21,10 +21,9 @@ from offgraph_export.pipeline import export_and_lower, export_model, lower, run_
 from offgraph_export.reference.quant_8da4w import quantized_8da4w_weights, quantized_weight  # noqa: E402
 from offgraph_export.runtime import load_artifact  # noqa: E402
 from offgraph_export.runtime.pte_artifact import PteArtifact  # noqa: E402
-from offgraph_export.runtime.session import Session  # noqa: E402
 from offgraph_export.specs.pte_reader import read_pte_layout  # noqa: E402
 from offgraph_export.specs.quantization import QuantizationSpec  # noqa: E402
-from tests.conftest import EXAMPLE, cli  # noqa: E402
+from tests.conftest import EXAMPLE, cli, first_step_logits  # noqa: E402
 
 GROUP = 32
 
@@ -118,11 +117,7 @@ def test_the_quantized_linears_are_delegated_to_xnnpack(built, example_bundle):
     spec = artifact.specs.quantization
     tokens = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(1))
     inputs = example_bundle.make_inputs(tokens, 0)
-    session = Session(artifact)
-    try:
-        got = session.run(session.prepare(inputs))[0]
-    finally:
-        session.close()
+    got = first_step_logits(artifact, example_bundle.make_inputs, tokens)
     model = example_bundle.model
     with torch.no_grad():
         float_out = example_bundle.oracle(artifact.specs.manifest).step(inputs)[0]

@@ -19,9 +19,8 @@ import torch
 
 from offgraph_export.errors import ExportError, OffgraphError
 from offgraph_export.models import ModelBundle
+from tests.conftest import EXAMPLE, ROOT, cli, first_step_logits
 
-ROOT = Path(__file__).resolve().parent.parent
-EXAMPLE = str(ROOT / "examples" / "tiny_llama.py") + ":build"
 INT8_FACTORY = f"{Path(__file__).resolve()}:build_int8"
 
 #: every linear of the example (2 layers x wq, wk, wv, wo, w1, w3, w2, and the output projection)
@@ -248,7 +247,6 @@ def test_options_that_do_not_go_with_a_torchao_model_are_refused(tmp_path):
     anything is traced (the Python API), and through the CLI in one line on stderr."""
     from offgraph_export.options import OptionError
     from offgraph_export.pipeline import export_and_lower
-    from tests.conftest import cli
 
     bundle = _int4_bundle(32)
     for fields, flag, words in (
@@ -332,7 +330,6 @@ def test_a_fused_projection_of_torchao_and_float_parts_is_refused():
 def int8_artifact(tmp_path_factory):
     """The int8 torchao example exported for the cpu through the CLI (one AOTInductor compile)."""
     _torchao()
-    from tests.conftest import cli
 
     out = tmp_path_factory.mktemp("torchao") / "int8.pt2"
     cli("export", INT8_FACTORY, "-o", str(out), "--json")
@@ -343,7 +340,6 @@ def test_int8_torchao_artifact_checks_against_the_torchao_model(int8_artifact):
     """``check`` passes with the torchao model as its oracle (its weights left as torchao tensors,
     nothing dequantized by the rule); the specs record int8 as ``--quantize int8`` would."""
     from offgraph_export.check import check_artifact
-    from tests.conftest import cli
 
     report = check_artifact(str(int8_artifact), INT8_FACTORY)
     assert report.passed, report.render()
@@ -360,7 +356,6 @@ def test_int8_torchao_artifact_logits_are_the_torchao_models_not_the_float_ones(
     vacuous."""
     from offgraph_export.check import TOLERANCES
     from offgraph_export.runtime import load_artifact
-    from tests.conftest import first_step_logits
 
     program = load_artifact(str(int8_artifact))
     torchao_bundle, float_bundle = build_int8(), _example()

@@ -88,18 +88,19 @@ _TILE_MAX_K = 4096
 _QUANT_WIDE_ROWS = 16384
 
 
-def _config(k: int, gated: bool = False, quantized: bool = False, n: int = 0) -> dict:
+def _config(k: int, gated: bool = False, quantized: bool = False, n: int = 0, bias: bool = False) -> dict:
     """The kernel and its launch parameters for ``n`` weight rows of ``k`` columns: ``kernel``
     "rows" (:func:`_gemv_kernel`: ``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``dequant``) or "tiles"
     (:func:`_gemv_tiles_kernel`: ``BLOCK_N``, ``per_sm`` programs, ``num_warps``, ``num_stages``).
-    ``quantized``: the weight is int8/int4 (the rows kernel, dequantized per row or group)."""
+    ``quantized``: the weight is int8/int4 (the rows kernel, dequantized per row or group);
+    ``bias``: the linear adds one (the rows kernel: the tiles kernel has none)."""
     if quantized:
         if n >= _QUANT_WIDE_ROWS:
             return {"kernel": "rows", "BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "dequant": "group"}
         if k >= _LONG_ROWS:
             return {"kernel": "rows", "BLOCK_N": 4, "BLOCK_K": 2048, "num_warps": 4, "dequant": "group"}
         return {"kernel": "rows", "BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, "dequant": "group"}
-    if gated and k <= _TILE_MAX_K:
+    if gated and k <= _TILE_MAX_K and not bias:
         return {"kernel": "tiles", "BLOCK_N": 1, "per_sm": 4, "num_warps": 4, "num_stages": 3}
     return _rows_config(k)
 
@@ -382,8 +383,8 @@ def gemv_launch(x, w, norm_weight=None, eps=0.0, residual=None, gated=False, gat
     if bias is not None:
         torch._check(bias.shape == (n,), lambda: f"the bias must have shape ({n},)")
         bias = bias.contiguous()
-    if config is None:  # a biased float linear takes the rows kernel (the tiles kernel has no bias)
-        config = _rows_config(k) if bias is not None and not quant else _config(k, gated, bool(quant), n)
+    if config is None:
+        config = _config(k, gated, bool(quant), n, bias is not None)
     flags = dict(NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None,
                  BLOCK_N=config["BLOCK_N"], num_warps=config["num_warps"])
     tiles = triton.cdiv(n_out, config["BLOCK_N"])

@@ -109,8 +109,5 @@ def quantized_8da4w_weights(model: torch.nn.Module, spec: QuantizationSpec) -> I
         raise OffgraphError(f"quantized_8da4w_weights takes an 8da4w spec, not {spec.scheme}")
     group_size = spec.group_size
 
-    def value(weight: torch.Tensor, source: str) -> torch.Tensor:
-        return torch.nn.Parameter(quantized_weight(weight, group_size, source), requires_grad=False)
-
-    with replaced_weights(model, spec, value) as replaced:
+    with replaced_weights(model, spec, lambda weight, source: quantized_weight(weight, group_size, source)) as replaced:
         yield replaced

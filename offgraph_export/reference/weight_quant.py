@@ -153,8 +153,7 @@ def _replace(
         raise OffgraphError(
             f"the artifact quantized {source} as [*, {entry.shape[1]}], but the model's is {list(weight.shape)} {weight.dtype}"
         )
-    value = value_of(weight, source)
-    param = value if isinstance(value, torch.nn.Parameter) else torch.nn.Parameter(value, requires_grad=False)
+    param = torch.nn.Parameter(value_of(weight, source), requires_grad=False)
     holders = _holders(model, weight)
     if not holders and entry.shared:
         raise OffgraphError(
