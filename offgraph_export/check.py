@@ -414,7 +414,7 @@ def _oracle_weights(model: torch.nn.Module, specs: ArtifactSpecs, report: CheckR
     with dequantized_weights(model, spec) as replaced:
         group = f", groups of {spec.group_size}" if spec.group_size else ""
         report.notes.append(
-            f"oracle: the eager model with the artifact's {spec.scheme} weights dequantized "
+            f"oracle: the eager model with the artifact's {spec.label(groups=False)} weights dequantized "
             f"({len(spec.weights)} quantized weights, {replaced} model weights{group})"
         )
         yield

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from offgraph_export.errors import ExportError
 from offgraph_export.specs.quantization import (
-    DEFAULT_GROUP_SIZE, GROUP_SIZES, GROUPED_SCHEMES, PT2_SCHEMES, PTE_SCHEMES, QUANT_SCHEMES,
+    DEFAULT_GROUP_SIZE, GROUP_SIZES, GROUPED_SCHEMES, LM_HEAD_CHOICES, PT2_SCHEMES, PTE_SCHEMES, QUANT_SCHEMES,
 )
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "BACKEND_DEVICE",
     "AUTOTUNE_CHOICES",
     "QUANTIZE_CHOICES",
+    "LM_HEAD_CHOICES",
     "GROUP_SIZES",
     "OptionError",
     "ExportOptions",
@@ -71,6 +72,10 @@ Quantize = Literal["none", "int8", "int4", "8da4w"]
 #: XNNPACK) (design section 11; the schemes are ``specs/quantization.py``'s)
 QUANTIZE_CHOICES: tuple[str, ...] = get_args(Quantize)
 assert QUANTIZE_CHOICES[1:] == QUANT_SCHEMES
+LmHead = Literal["int8", "int4", "none"]
+#: ``--quantize-lm-head`` values (``specs/quantization.py``'s): the lm_head's own weight-only scheme,
+#: or ``none`` to leave it float; not given, the lm_head takes the ``--quantize`` scheme
+assert get_args(LmHead) == LM_HEAD_CHOICES
 
 _DEVICE = re.compile(r"cpu|cuda(:[0-9]{1,4})?")
 
@@ -139,6 +144,7 @@ _FLAGS = {
     "decode_sessions": "--decode-sessions",
     "quantize": "--quantize",
     "group_size": "--group-size",
+    "quantize_lm_head": "--quantize-lm-head",
 }
 
 
@@ -161,8 +167,10 @@ class ResolvedOptions(BaseModel):
     decode_sessions: bool = False
     #: weight-only quantization of every linear (``passes/quantize_weights.py``)
     quantize: Quantize = "none"
-    #: int4's and 8da4w's input features per scale and zero (None for ``none`` and ``int8``)
+    #: int4's and 8da4w's input features per scale and zero (None where no weight is grouped)
     group_size: int | None = None
+    #: the lm_head's scheme where it is not ``quantize``'s (``none``: left float); None: ``quantize``'s
+    quantize_lm_head: LmHead | None = None
 
     @property
     def export_device(self) -> str:
@@ -174,17 +182,18 @@ class ResolvedOptions(BaseModel):
         """The options the specs record (``ArtifactSpecs.options``, shown by ``inspect``)."""
         return pass_record(
             self.fuse_projections, self.decode_method, self.decode_gemv, self.decode_rope, self.decode_sessions,
-            self.quantize, self.group_size,
+            self.quantize, self.group_size, self.quantize_lm_head,
         ) | lowering_record(self.format, self.max_autotune)
 
 
 def pass_record(
     fuse: bool, decode_method: bool, decode_gemv: bool, decode_rope: bool, decode_sessions: bool = False,
-    quantize: str = "none", group_size: int | None = None,
+    quantize: str = "none", group_size: int | None = None, quantize_lm_head: str | None = None,
 ) -> dict[str, bool | int | str]:
     """The part of the specs' options the passes decide: the fold flags only where there is a
     decode method to fold into; ``decode_sessions`` only where it is on (a batched artifact's);
-    ``quantize`` (and int4's or 8da4w's ``group_size``) only where weights are quantized."""
+    ``quantize`` (and the ``group_size`` of grouped weights) only where weights are quantized;
+    ``quantize_lm_head`` only where it is not ``quantize``."""
     out: dict[str, bool | int | str] = {"fuse_projections": fuse}
     if decode_method:
         out |= {"decode_gemv": decode_gemv, "decode_rope": decode_rope}
@@ -194,6 +203,8 @@ def pass_record(
         out["quantize"] = quantize
         if group_size is not None:
             out["group_size"] = group_size
+        if quantize_lm_head is not None:
+            out["quantize_lm_head"] = quantize_lm_head
     return out
 
 
@@ -219,6 +230,7 @@ class ExportOptions(BaseModel):
     decode_sessions: bool | None = None
     quantize: Quantize = "none"
     group_size: int | None = None
+    quantize_lm_head: LmHead | None = None
 
     @classmethod
     def parse(cls, **fields: Any) -> "ExportOptions":
@@ -297,7 +309,8 @@ class ExportOptions(BaseModel):
             self.decode_sessions if self.decode_sessions is not None
             else bool(batched) and pt2 and default_decode_sessions(step_impl)
         )
-        group_size = self._group_size(pt2, backend, dtype)
+        lm_head = self._lm_head()
+        group_size = self._group_size(pt2, backend, dtype, lm_head)
         if max_write is not None and max_write < 2:  # a width range [1, 1] is a constant to torch.export
             raise OptionError(f"max_write {max_write} is too small: a step's token width must range over at least [1, 2]", "--max-write")
         return ResolvedOptions(
@@ -313,11 +326,26 @@ class ExportOptions(BaseModel):
             decode_sessions=decode_sessions,
             quantize=self.quantize,
             group_size=group_size,
+            quantize_lm_head=lm_head,  # type: ignore[arg-type]
         )
 
-    def _group_size(self, pt2: bool, backend: str | None, dtype: str | None) -> int | None:
-        """int4's and 8da4w's group size (its default where not given); refuses one with another
-        scheme, and a scheme the format does not take (design section 11): int8/int4 for a
+    def _lm_head(self) -> str | None:
+        """The lm_head's own scheme: None where not given or the same as ``--quantize``'s; refused
+        without a weight-only ``--quantize`` (there is no scheme for it to differ from)."""
+        head = self.quantize_lm_head
+        if head is None or head == self.quantize:
+            return None
+        if self.quantize not in PT2_SCHEMES:
+            raise OptionError(
+                f"--quantize-lm-head {head} sets the lm_head's scheme within a weight-only export: use it with "
+                f"--quantize {' or '.join(PT2_SCHEMES)}, not {'no --quantize' if self.quantize == 'none' else '--quantize ' + self.quantize}",
+                "--quantize-lm-head",
+            )
+        return head
+
+    def _group_size(self, pt2: bool, backend: str | None, dtype: str | None, lm_head: str | None = None) -> int | None:
+        """The group size of int4 and 8da4w weights, the lm_head's among them (its default where not
+        given); refuses one where no weight is grouped, and a scheme the format does not take (design section 11): int8/int4 for a
         ``.pte`` (XNNPACK computes weight-only programs wrongly), 8da4w for a ``.pt2``, on a
         backend other than XNNPACK, or with a dtype other than float32."""
         q = self.quantize
@@ -347,10 +375,11 @@ class ExportOptions(BaseModel):
                     "dynamically quantized linears to XNNPACK and has no portable kernels for them",
                     "--quantize",
                 )
-        if q not in GROUPED_SCHEMES:
+        if q not in GROUPED_SCHEMES and lm_head not in GROUPED_SCHEMES:
             if self.group_size is not None:
                 raise OptionError(
-                    f"--group-size {self.group_size} applies to --quantize {' or '.join(GROUPED_SCHEMES)} only", "--group-size"
+                    f"--group-size {self.group_size} applies to --quantize {' or '.join(GROUPED_SCHEMES)} "
+                    "(or --quantize-lm-head int4) only", "--group-size"
                 )
             return None
         if self.group_size is None:

@@ -196,6 +196,7 @@ def run_passes(
     progress: Progress = _noop,
     stored: Mapping[str, QuantizedTensors] | None = None,
     quantize_others: bool = True,
+    quantize_lm_head: str | None = None,
 ) -> StrippedProgram:
     """validate -> record step width -> record positions -> bound table indices -> fuse
     projections (``fuse``) -> quantize weights (``quantize``: ``int8`` or ``int4`` with
@@ -206,7 +207,8 @@ def run_passes(
     functionalize: the sessions method (``decode_sessions``)].
 
     ``stored``: weights quantized already (a torchao model's, by model parameter name), stored as
-    they are by the quantize pass; ``quantize_others``: whether it quantizes the other linears too.
+    they are by the quantize pass; ``quantize_others``: whether it quantizes the other linears too;
+    ``quantize_lm_head``: the lm_head's own scheme (``int8``, ``int4``, ``none``), None for ``quantize``'s.
 
     ``step_impl``: ``portable``, ``triton``, or a callable with the signature of
     ``portable_update_and_attend`` (recorded in the specs by its ``__name__``). Each pass's time
@@ -230,7 +232,7 @@ def run_passes(
         *([("fuse_projections", lambda p: fuse_projections(p, example_inputs))] if fuse else []),
         *([("quantize_weights", lambda p: quantize_weights(
             p, example_inputs, quantize, group_size, _fused_sources(results.get("fuse_projections")),
-            stored, quantize_others))]
+            stored, quantize_others, quantize_lm_head))]
           if quantize != "none" else []),
         ("build_manifest", lambda p: build_manifest(p, cache_config)),
         (
@@ -270,7 +272,7 @@ def run_passes(
         step_impl=step_impl_name(step_impl),
         positions_input=results["record_positions"].produced,
         index_bounds=results["bound_table_indices"].produced,
-        options=pass_record(fuse, decode_method, decode_gemv, decode_rope, decode_sessions, quantize, group_size),
+        options=pass_record(fuse, decode_method, decode_gemv, decode_rope, decode_sessions, quantize, group_size, quantize_lm_head),
         pass_results=results,
         pass_seconds=seconds,
         decode=decode,
@@ -376,6 +378,7 @@ def export_and_lower(
         decode_method=resolved.decode_method, decode_gemv=resolved.decode_gemv, decode_rope=resolved.decode_rope,
         decode_sessions=resolved.decode_sessions, quantize=quantize, group_size=group_size,
         progress=progress, stored=torchao.stored if torchao is not None else None, quantize_others=quantize_others,
+        quantize_lm_head=resolved.quantize_lm_head,
     )
     timings["passes_s"] = time.perf_counter() - t0
     timings.update({f"pass_{name}_s": seconds for name, seconds in program.pass_seconds.items()})

@@ -45,7 +45,7 @@ class QualityReport(BaseModel):
     artifact: str
     model: str
     device: str
-    #: the artifact's quantization (``int8``, ``int4/128``), or ``float``
+    #: the artifact's quantization (``int8``, ``int4/128``, ``int4/32+lm_head:int8``), or ``float``
     weights: str
     #: what it is scored against: ``"float model"`` or another artifact's path
     reference: str = "float model"
@@ -79,7 +79,7 @@ def _weights(program: LoadedProgram) -> str:
     q = program.specs.quantization
     if q is None:
         return "float"
-    return f"{q.scheme}/{q.group_size}" if q.group_size else q.scheme
+    return q.label()
 
 
 def _chunks(total: int, width: int) -> list[tuple[int, int]]:

@@ -159,7 +159,8 @@ def test_specs_validators_are_strict():
         ({"group_size": None}, "8da4w group_size None"),
         ({"group_size": 48}, "8da4w group_size 48"),
         ({"weights": [{"name": "w", "sources": ["a"], "shape": [8, 80]}]}, "80 input features, not a multiple of the 8da4w group size 32"),
-        ({"scheme": "int8"}, "applies to int4 and 8da4w only, not int8"),
+        ({"scheme": "int8"}, "applies to int4 and 8da4w weights only; this spec has none"),
+        ({"weights": [{"name": "w", "sources": ["a"], "shape": [8, 64], "scheme": "int8"}]}, "a 8da4w spec stores every weight as 8da4w"),
         ({"scheme": "8da8w"}, "scheme"),
     ):
         with pytest.raises(ValueError, match=words):

@@ -96,7 +96,11 @@ def test_the_record_refuses_what_no_export_writes():
     bad = [
         (_spec(group_size=None), "group_size None"),
         (_spec(group_size=48), "group_size 48"),
-        (_spec(scheme="int8"), "applies to int4 and 8da4w only"),
+        (_spec(scheme="int8"), "applies to int4 and 8da4w weights only; this spec has none"),
+        (_spec(weights=[{"name": "w", "sources": ["a"], "shape": [8, 64], "scheme": "int8"}]), "this spec has none"),
+        (_spec(scheme="int8", group_size=None, weights=[{"name": "w", "sources": ["a"], "shape": [8, 64], "scheme": "int4"}]),
+         "int4 group_size None"),
+        (_spec(weights=[{"name": "w", "sources": ["a"], "shape": [8, 64], "scheme": "8da4w"}]), "scheme"),
         (_spec(weights=[{"name": "w", "sources": ["a"], "shape": [8, 40]}]), "40 input features"),
         (_spec(weights=[{"name": "w", "sources": ["a"], "shape": [8, 64]}, {"name": "w", "sources": ["b"], "shape": [8, 64]}]), "named twice"),
         (_spec(weights=[]), "at least 1"),
@@ -107,12 +111,37 @@ def test_the_record_refuses_what_no_export_writes():
             QuantizationSpec.model_validate(data)
 
 
+def test_a_weight_may_name_its_own_scheme():
+    """The lm_head of ``--quantize-lm-head``: an int8 weight in an int4 spec needs no group; an
+    int4 weight in an int8 spec takes the spec's group size."""
+    mixed = QuantizationSpec.model_validate(_spec(weights=[
+        {"name": "w", "sources": ["a"], "shape": [8, 64]},
+        {"name": "head", "sources": ["h"], "shape": [8, 40], "scheme": "int8"},
+    ]))
+    assert [(mixed.scheme_of(w), mixed.group_of(w)) for w in mixed.weights] == [("int4", 32), ("int8", None)]
+    other = QuantizationSpec.model_validate(_spec(scheme="int8", weights=[
+        {"name": "w", "sources": ["a"], "shape": [8, 40]},
+        {"name": "head", "sources": ["h"], "shape": [8, 64], "scheme": "int4"},
+    ]))
+    assert [(other.scheme_of(w), other.group_of(w)) for w in other.weights] == [("int8", None), ("int4", 32)]
+    assert QuantizationSpec.model_validate_json(other.model_dump_json()) == other
+
+
 def test_options_record_the_scheme_and_refuse_what_does_not_go_together():
     assert ExportOptions.parse(quantize="int4").resolve(32).record()["group_size"] == 128
     assert "group_size" not in ExportOptions.parse(quantize="int8").resolve(32).record()
     assert "quantize" not in ExportOptions.parse().resolve(32).record()
+    # the lm_head's own scheme: recorded where it differs; an int4 lm_head brings the group size
+    assert ExportOptions.parse(quantize="int4", quantize_lm_head="int8").resolve(32).record()["quantize_lm_head"] == "int8"
+    assert "quantize_lm_head" not in ExportOptions.parse(quantize="int4", quantize_lm_head="int4").resolve(32).record()
+    head_int4 = ExportOptions.parse(quantize="int8", quantize_lm_head="int4", group_size=64).resolve(32)
+    assert (head_int4.group_size, head_int4.quantize_lm_head) == (64, "int4")
+    assert ExportOptions.parse(quantize="int8", quantize_lm_head="int4").resolve(32).group_size == 128
     for fields, flag in ((dict(quantize="int8", group_size=32), "--group-size"), (dict(quantize="int4", group_size=100), "--group-size"),
-                         (dict(quantize="int4", format="executorch"), "--quantize")):
+                         (dict(quantize="int4", format="executorch"), "--quantize"),
+                         (dict(quantize_lm_head="int8"), "--quantize-lm-head"),
+                         (dict(quantize="int8", quantize_lm_head="none", group_size=32), "--group-size"),
+                         (dict(quantize_lm_head="int3"), "--quantize-lm-head")):
         with pytest.raises(OptionError) as info:
             ExportOptions.parse(**fields).resolve(32)
         assert info.value.flag == flag
@@ -176,6 +205,40 @@ def test_pass_stores_every_linear_quantized_and_computes_the_dequantized_model(e
     float_out = _run(bundle.model, bundle, tokens)  # the weights are back
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
     assert (got - float_out).abs().max() > 1e-3  # the quantized program is not the float one
+
+
+@pytest.mark.parametrize("head", ["int8", "none"])
+def test_the_lm_head_takes_its_own_scheme_or_stays_float(example_program, head):
+    """``--quantize int4 --quantize-lm-head int8|none``: the last linear (the output projection)
+    is stored int8 per output channel (recorded with its scheme) or left float (not recorded); the
+    oracle, which reads each weight's scheme from the spec, computes what the program computes."""
+    from offgraph_export.passes.quantize_weights import quantize_weights
+
+    bundle, program, sources = example_program
+    result = quantize_weights(program, bundle.example_inputs, "int4", 32, sources, lm_head=head)
+    spec = result.produced
+    assert spec.scheme == "int4" and spec.group_size == 32
+    own = {w.name: w.scheme for w in spec.weights if w.scheme is not None}
+    state = result.program.state_dict
+    if head == "int8":
+        assert len(spec.weights) == 9 and list(own.values()) == ["int8"] and spec.weights[-1].scheme == "int8"
+        assert spec.label() == "int4/32+lm_head:int8" and spec.label(groups=False) == "int4+lm_head:int8"
+        assert sum(v.dtype == torch.int8 for v in state.values()) == 1
+        assert sum(v.dtype == torch.uint8 for v in state.values()) == 8
+    else:
+        assert len(spec.weights) == 8 and not own and spec.label() == "int4/32"
+        floats = {n for n, v in state.items() if v.is_floating_point() and v.dim() == 2 and not n.startswith("offgraph_quant_")}
+        assert floats == {"tok_embeddings.weight", "output.weight"}
+    tokens = torch.randint(0, bundle.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
+    got = _run(result.program.module(), bundle, tokens)
+    with dequantized_weights(bundle.model, spec):
+        want = _run(bundle.model, bundle, tokens)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    if head == "int8":  # the oracle did read the lm_head's own scheme: as int4 it computes otherwise
+        with dequantized_weights(bundle.model, QuantizationSpec(scheme="int4", group_size=32, weights=[
+                w.model_copy(update={"scheme": None}) for w in spec.weights])):
+            all_int4 = _run(bundle.model, bundle, tokens)
+        assert (got - all_int4).abs().max() > 1e-4
 
 
 class _Tied(torch.nn.Module):
@@ -355,20 +418,25 @@ def test_quality_against_another_artifact_scores_the_two_artifacts(int8_example,
 
 
 def test_int4_batched_example_checks_every_session_and_scores_its_quality(tmp_path_factory):
-    """int4 through the paged step: 8 sessions joining and leaving, crossing pages and wrapping
-    the example's ring layer, every step against the dequantized oracle; and the quality report
-    through the batched runner (one session) against the float model."""
+    """int4 with an int8 lm_head through the paged step: 8 sessions joining and leaving, crossing
+    pages and wrapping the example's ring layer, every step against the dequantized oracle (each
+    weight in its own scheme); and the quality report through the batched runner (one session)
+    against the float model."""
     from offgraph_export.check import check_batched
     from offgraph_export.quality import quality_report
 
     out = tmp_path_factory.mktemp("q") / "int4_batched.pt2"
-    cli("export", EXAMPLE, "-o", str(out), "--quantize", "int4", "--group-size", "32",
+    cli("export", EXAMPLE, "-o", str(out), "--quantize", "int4", "--group-size", "32", "--quantize-lm-head", "int8",
         "--max-sessions", "4", "--page-size", "4")
     report = check_batched(str(out), EXAMPLE, sessions=8)
     assert report.passed, report.render()
-    assert any("int4 weights dequantized" in n and "groups of 32" in n for n in report.notes), report.notes
+    assert any("int4+lm_head:int8 weights dequantized" in n and "groups of 32" in n for n in report.notes), report.notes
+    specs = json.loads(cli("inspect", str(out), "--json").stdout)
+    assert specs["options"]["quantize_lm_head"] == "int8"
+    assert [w["scheme"] for w in specs["quantization"]["weights"]].count("int8") == 1
+    assert "; the lm_head output.weight int8 per output channel" in cli("inspect", str(out)).stdout
     quality = quality_report(str(out), EXAMPLE, tokens=100)
-    assert quality.weights == "int4/32" and quality.tokens == 100
+    assert quality.weights == "int4/32+lm_head:int8" and quality.tokens == 100
     assert quality.max_logit_error > 1e-3 and 0 < quality.top1_agreement <= 1 and math.isfinite(quality.perplexity)
 
 
@@ -423,8 +491,9 @@ def test_cuda_quantized_example_checks_with_and_without_graphs(scheme, tmp_path_
 
 @pytest.mark.cuda
 def test_cuda_int4_transformers_llama_batched_checks(tmp_path_factory):
-    """A tiny transformers Llama with tied embeddings, int4, as a batched cuda artifact (the
-    sessions method too): 8 sessions through the runner, ordinary launches and CUDA graphs."""
+    """A tiny transformers Llama with tied embeddings, int4 with an int8 lm_head (the decode GEMV
+    reads both forms in one method), as a batched cuda artifact (the sessions method too): 8
+    sessions through the runner, ordinary launches and CUDA graphs."""
     transformers = pytest.importorskip("transformers")
     from offgraph_export.check import check_batched
     from offgraph_export.frontends import load_bundle
@@ -435,7 +504,8 @@ def test_cuda_int4_transformers_llama_batched_checks(tmp_path_factory):
     checkpoint, out = base / "llama", base / "llama_int4_batched.pt2"
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**(COMMON | dict(tie_word_embeddings=True)))).save_pretrained(checkpoint)
     cli("export", f"hf:{checkpoint}", "-o", str(out), "--device", "cuda", "--dtype", "bfloat16", "--quantize", "int4",
-        "--group-size", "64", "--max-capacity", "128", "--max-write", "32", "--max-sessions", "4", "--page-size", "4")
+        "--group-size", "64", "--quantize-lm-head", "int8", "--max-capacity", "128", "--max-write", "32",
+        "--max-sessions", "4", "--page-size", "4")
     for graphs in (False, True):
         report = check_batched(str(out), cast_bundle(load_bundle(f"hf:{checkpoint}"), "bfloat16"), sessions=8, cuda_graphs=graphs)
         assert report.passed, report.render()

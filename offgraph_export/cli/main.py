@@ -16,8 +16,9 @@ import click
 from offgraph_export.cli import verdict
 from offgraph_export.errors import OffgraphError
 from offgraph_export.options import (
-    AUTOTUNE_CHOICES, BACKENDS, DEVICES, FORMATS, GROUP_SIZES, QUANTIZE_CHOICES, STEP_IMPLS, ExportOptions, OptionError,
+    AUTOTUNE_CHOICES, BACKENDS, DEVICES, FORMATS, GROUP_SIZES, LM_HEAD_CHOICES, QUANTIZE_CHOICES, STEP_IMPLS, ExportOptions, OptionError,
 )
+from offgraph_export.specs.quantization import GROUPED_SCHEMES
 from offgraph_export.specs.manifest import StorageDtype
 from offgraph_export.specs.text import safe_text
 
@@ -220,10 +221,11 @@ def cli(debug: bool) -> None:
 @click.option("--decode-rope/--no-decode-rope", "decode_rope", default=None, help="In the decode method, rotate the query and new key inside the one-token attention kernel instead of a rotary-embedding kernel per layer (Llama-family eager rotary form; default: on for the cuda decode method with the triton step).")
 @click.option("--decode-sessions/--no-decode-sessions", "decode_sessions", default=None, help="With --max-sessions: also compile the sessions method, which runs every decode-only step of several sessions (one token each) with the row writes and rotary embedding inside the attention kernel and no q/k/v copies (docs/design.md section 10; default: on with the triton step, off with the portable one, where it computes the same thing; pt2 only).")
 @click.option("--quantize", type=click.Choice(QUANTIZE_CHOICES), default="none", show_default=True, help="Store every linear's weight (projections and lm_head; not the embedding table) quantized from the float weights at export, no data needed (docs/design.md section 11). A .pt2 takes int8 (per output channel) or int4 (groups of --group-size input features), weight-only: activations and the K/V cache keep the model's dtype. A .pte takes 8da4w (float32 models): torchao's int8 dynamic per-token activations and int4 weights in groups of --group-size, run by XNNPACK.")
-@click.option("--group-size", type=click.Choice([str(g) for g in GROUP_SIZES]), help="With --quantize int4 or 8da4w: input features per scale (default 128).")
+@click.option("--group-size", type=click.Choice([str(g) for g in GROUP_SIZES]), help="With --quantize int4 or 8da4w (or --quantize-lm-head int4): input features per scale (default 128).")
+@click.option("--quantize-lm-head", "quantize_lm_head", type=click.Choice(LM_HEAD_CHOICES), help="With --quantize int8 or int4: store the lm_head (the last linear, the output projection) in this scheme instead, or leave it float (none). The lm_head is the linear quantization hurts most: --quantize int4 --quantize-lm-head int8 keeps most of int4's savings at int8's accuracy on the logits. Default: the --quantize scheme.")
 @click.option("-a", "--arg", "factory_args", multiple=True, metavar="NAME=VALUE", help="Keyword argument for the model factory (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
-def export(model_factory, output, device, max_capacity, initial_capacity, max_write, dtype, rings, all_flat, max_sessions, page_size, pool_pages, step_impl, fmt, executorch_backend, fuse, decode_method, max_autotune, decode_gemv, decode_rope, decode_sessions, quantize, group_size, factory_args, as_json):
+def export(model_factory, output, device, max_capacity, initial_capacity, max_write, dtype, rings, all_flat, max_sessions, page_size, pool_pages, step_impl, fmt, executorch_backend, fuse, decode_method, max_autotune, decode_gemv, decode_rope, decode_sessions, quantize, group_size, quantize_lm_head, factory_args, as_json):
     """Export MODEL_FACTORY to a .pt2 artifact.
 
     MODEL_FACTORY is hf:DIR (a transformers checkpoint), gguf:FILE.gguf (a GGUF file, dequantized;
@@ -238,7 +240,7 @@ def export(model_factory, output, device, max_capacity, initial_capacity, max_wr
             format=fmt, device=device, executorch_backend=executorch_backend, step_impl=step_impl,
             fuse_projections=fuse, decode_method=decode_method, max_autotune=max_autotune,
             decode_gemv=decode_gemv, decode_rope=decode_rope, decode_sessions=decode_sessions,
-            quantize=quantize, group_size=int(group_size) if group_size else None,
+            quantize=quantize, group_size=int(group_size) if group_size else None, quantize_lm_head=quantize_lm_head,
         )
         options.resolve(batched=max_sessions is not None, dtype=dtype)
     except OptionError as exc:
@@ -287,10 +289,14 @@ def export(model_factory, output, device, max_capacity, initial_capacity, max_wr
 
 def _quantization_line(q) -> str:
     """What ``inspect`` says of quantized weights (design section 11)."""
-    group = f" in groups of {q.group_size}" if q.group_size else " per output channel"
+    group = f" in groups of {q.group_size}" if q.scheme in GROUPED_SCHEMES else " per output channel"
     shared = sum(w.shared for w in q.weights)
     tied = f"; {shared} also read as float (tied)" if shared else ""
-    return f"weights       {q.scheme}{group}: {len(q.weights)} linear weights from {sum(len(w.sources) for w in q.weights)} model weights{tied}"
+    own = [w for w in q.weights if w.scheme is not None]
+    head = "".join(f"; the lm_head {w.name} {w.scheme}" + (f" in groups of {q.group_size}" if w.scheme == "int4" else " per output channel")
+                   for w in own)
+    return (f"weights       {q.scheme}{group}: {len(q.weights)} linear weights from {sum(len(w.sources) for w in q.weights)} "
+            f"model weights{tied}{head}")
 
 
 def _one_token_steps(specs, artifact: str) -> str:

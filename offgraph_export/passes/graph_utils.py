@@ -21,6 +21,7 @@ __all__ = [
     "ASSERT_METADATA",
     "attr_tensor",
     "weight_linears",
+    "last_linear_weight",
     "read_elsewhere",
     "drop_unused_attrs",
     "retrace_rewritten",
@@ -304,6 +305,17 @@ def weight_linears(gm: torch.fx.GraphModule) -> dict[str, list[torch.fx.Node]]:
         if weight is not None and weight.dim() == 2 and weight.is_floating_point():
             found.setdefault(str(node.args[1].target), []).append(node)
     return found
+
+
+def last_linear_weight(gm: torch.fx.GraphModule, linears: dict[str, list[torch.fx.Node]]) -> str | None:
+    """The weight (a key of ``linears``, :func:`weight_linears`) of the last of those linears in
+    graph order: a decoder's output projection, the lm_head. None without one."""
+    for node in reversed(gm.graph.nodes):
+        if node.op == "call_function" and node.target == torch.ops.aten.linear.default and len(node.args) >= 2:
+            target = getattr(node.args[1], "target", None)
+            if str(target) in linears and node in linears[str(target)]:
+                return str(target)
+    return None
 
 
 def read_elsewhere(gm: torch.fx.GraphModule, target: str, linears: list[torch.fx.Node]) -> bool:

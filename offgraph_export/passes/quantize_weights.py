@@ -21,6 +21,10 @@ the specs record (None when the program has no such linear).
 :mod:`~offgraph_export.frontends.torchao_weights`), by model parameter name, whose float values in the
 program are their ``W'``: they are stored as given, never quantized again (a fused weight's parts
 joined row-wise), and ``others=False`` leaves every other linear float.
+
+``lm_head``: the scheme of the program's last linear's weight where it is not ``scheme``
+(``--quantize-lm-head``; ``none`` leaves it float): the output projection, whose error reaches the
+logits unnormalized (:func:`~offgraph_export.passes.graph_utils.last_linear_weight`).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from torch import fx
 from torch.export import ExportedProgram
 
 from offgraph_export.errors import ExportError, OffgraphError
-from offgraph_export.passes.graph_utils import attr_tensor, read_elsewhere, retrace_rewritten, weight_linears
+from offgraph_export.passes.graph_utils import attr_tensor, last_linear_weight, read_elsewhere, retrace_rewritten, weight_linears
 from offgraph_export.passes.result import PassResult
 from offgraph_export.ops.quantized import dequantize_weight
 from offgraph_export.reference.weight_quant import QuantizedTensors, dequantize, quantize
@@ -65,12 +69,14 @@ def quantize_weights(
     sources: Mapping[str, list[str]] | None = None,
     stored: Mapping[str, QuantizedTensors] | None = None,
     others: bool = True,
+    lm_head: str | None = None,
 ) -> PassResult[QuantizationSpec | None]:
     """Quantize every linear's weight as ``scheme`` (``group_size`` for int4). ``sources``: the
     model parameters each program weight was made of where that is not the weight itself (the
     fused ones, from :func:`~offgraph_export.passes.fuse_projections.fuse_projections`). ``stored``:
     weights quantized already, by model parameter name (the module docstring); ``others``: whether
-    the linears ``stored`` does not name are quantized too."""
+    the linears ``stored`` does not name are quantized too; ``lm_head``: the last linear's own
+    scheme (``int8``, ``int4`` in ``group_size``, or ``none``: float), None for ``scheme``."""
     if scheme == "8da4w":  # torchao's form, for XNNPACK
         from offgraph_export.passes.quantize_8da4w import quantize_8da4w
 
@@ -81,6 +87,7 @@ def quantize_weights(
     if not groups:
         return PassResult(ep, modified=False, produced=None)
     graph = gm.graph
+    head = last_linear_weight(gm, groups) if lm_head is not None else None
     given = dict(stored or {})
     records: list[QuantizedWeight] = []
     replaced: set[str] = set()
@@ -89,16 +96,24 @@ def quantize_weights(
         weight = attr_tensor(gm, linears[0].args[1])
         assert weight is not None
         names = list((sources or {}).get(target, [target]))
+        own = lm_head if target == head else None
+        if own == "none":
+            if any(n in given for n in names):
+                raise ExportError(f"{target} (the lm_head) arrived quantized; --quantize-lm-head none cannot leave it float")
+            continue
+        weight_scheme = own or scheme
+        weight_group = group_size if weight_scheme == "int4" else None
         if any(n in given for n in names):
-            form = _given_form(target, weight, names, given, scheme, group_size)
+            form = _given_form(target, weight, names, given, weight_scheme, weight_group)
             used.update(id(given[n]) for n in names)
         elif not others:
             continue
         else:
             try:
-                form = quantize(weight, scheme, group_size, name=target)
+                form = quantize(weight, weight_scheme, weight_group, name=target)
             except OffgraphError as exc:
-                raise ExportError(f"--quantize {scheme}: {exc}") from None
+                flag = f"--quantize-lm-head {own}" if own else f"--quantize {scheme}"
+                raise ExportError(f"{flag}: {exc}") from None
         index = len(records)
         shared = read_elsewhere(gm, target, linears)
         module_name = f"offgraph_quant_{index}"
@@ -107,7 +122,7 @@ def quantize_weights(
             dequantized = graph.call_module(module_name, ())
         for node in linears:
             node.replace_input_with(node.args[1], dequantized)
-        records.append(QuantizedWeight(name=target, sources=names, shape=list(weight.shape), shared=shared))
+        records.append(QuantizedWeight(name=target, sources=names, shape=list(weight.shape), shared=shared, scheme=own))
         replaced.add(target)
     unread = sorted(n for n, form in given.items() if id(form) not in used)
     if unread:
@@ -117,7 +132,8 @@ def quantize_weights(
         )
     if not records:
         return PassResult(ep, modified=False, produced=None)
-    spec = QuantizationSpec(scheme=scheme, group_size=group_size if scheme == "int4" else None, weights=records)  # type: ignore[arg-type]
+    grouped = any((r.scheme or scheme) == "int4" for r in records)
+    spec = QuantizationSpec(scheme=scheme, group_size=group_size if grouped else None, weights=records)  # type: ignore[arg-type]
     return PassResult(retrace_rewritten(gm, ep, example_inputs, replaced, "quantized weights"), modified=True, produced=spec)
 
 
@@ -137,7 +153,7 @@ def _given_form(
         )
     parts = [given[n] for n in names]
     for name, part in zip(names, parts):
-        if part.scheme != scheme or part.group_size != (group_size if scheme == "int4" else None):
+        if part.scheme != scheme or part.group_size != group_size:
             raise ExportError(f"{name} arrived quantized as {part.scheme}, but this export stores {scheme}")
     form = parts[0] if len(parts) == 1 else QuantizedTensors(
         scheme,

@@ -106,10 +106,13 @@ def _holders(model: torch.nn.Module, param: torch.Tensor) -> list[torch.nn.Linea
 @contextmanager
 def dequantized_weights(model: torch.nn.Module, spec: QuantizationSpec) -> Iterator[int]:
     """``model`` as the oracle of an artifact quantized as ``spec``, for the ``with`` block: every
-    source weight replaced by ``dequantize(quantize(W))`` (:func:`replaced_weights`). Yields how
-    many weights it replaced."""
+    source weight replaced by ``dequantize(quantize(W))`` in its own scheme (:func:`replaced_weights`).
+    Yields how many weights it replaced."""
+    entry_of = {source: entry for entry in spec.weights for source in entry.sources}
+
     def value(weight: torch.Tensor, source: str) -> torch.Tensor:
-        return dequantize(quantize(weight, spec.scheme, spec.group_size, source))
+        entry = entry_of[source]
+        return dequantize(quantize(weight, spec.scheme_of(entry), spec.group_of(entry), source))
 
     with replaced_weights(model, spec, value) as replaced:
         yield replaced
