@@ -607,24 +607,32 @@ def test_a_file_renamed_over_the_package_after_its_checks_is_not_what_loads(exam
 
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="pinning by descriptor needs /proc/self/fd (Linux)")
 def test_torchs_loader_gets_a_link_to_the_pinned_file_not_a_copy(example_artifact, monkeypatch):
-    """torch's ``load_pt2`` given a file object reads the whole archive into memory and writes it
-    to a temporary file (2.5 GB for a 1B package): it gets a ``.pt2`` name instead, a link to the
-    pinned descriptor, which reaches the checked file and is gone after the load."""
-    import torch.export.pt2_archive._package as package
+    """torch's package loader gets a ``.pt2`` name, a link to the pinned descriptor, which reaches
+    the checked file and is gone after the load (``load_pt2`` given a file object reads the whole
+    archive into memory and writes it to a temporary file: 2.5 GB for a 1B package); each method
+    is loaded by its own name, and ``load_pt2``'s device-information probe (a test library built
+    and loaded in a fresh Python process per CPU vector ISA) never runs."""
+    import torch
+    import torch._inductor.codecache as codecache
 
-    real = package.load_pt2
+    real = torch._C._aoti.AOTIModelPackageLoader
     given = []
 
-    def spy(f, **kwargs):
-        given.append((f, os.path.realpath(f) if isinstance(f, str) else None, os.path.islink(f) if isinstance(f, str) else None))
-        return real(f, **kwargs)
+    def spy(name, method, *args):
+        given.append((name, method, os.path.realpath(name), os.path.islink(name)))
+        return real(name, method, *args)
 
-    monkeypatch.setattr(package, "load_pt2", spy)
-    Artifact.load(example_artifact)
-    (name, target, is_link), = given
-    assert isinstance(name, str) and name.endswith(".pt2") and is_link, given
-    assert target == os.path.realpath(example_artifact)
-    assert not os.path.exists(os.path.dirname(name))  # the private folder went with the load
+    def probe(*args):
+        raise AssertionError("the device-information probe ran")
+
+    monkeypatch.setattr(torch._C._aoti, "AOTIModelPackageLoader", spy)
+    monkeypatch.setattr(codecache, "get_device_information", probe)
+    loaded = Artifact.load(example_artifact)
+    assert [g[1] for g in given] == list(loaded.specs.methods)
+    for name, _, target, is_link in given:
+        assert name.endswith(".pt2") and is_link, given
+        assert target == os.path.realpath(example_artifact)
+        assert not os.path.exists(os.path.dirname(name))  # the private folder went with the load
 
 
 def test_load_errors_name_the_path_not_the_descriptor(tmp_path):
@@ -633,3 +641,20 @@ def test_load_errors_name_the_path_not_the_descriptor(tmp_path):
     with pytest.raises(ArtifactError) as info:
         Artifact.load(bad)
     assert str(bad) in str(info.value) and "/proc/self/fd" not in str(info.value)
+
+
+@pytest.mark.cuda
+def test_a_cuda_method_for_another_compute_capability_is_refused_by_name(tmp_path):
+    """The one device comparison the load keeps from ``load_pt2``'s probe: the compute capability a
+    method was compiled for (its metadata) against this device's; none recorded: nothing to compare."""
+    import torch
+
+    from offgraph_export.runtime.artifact import _check_compute_capability
+
+    major, minor = torch.cuda.get_device_capability()
+    here = str(major * 10 + minor)
+    _check_compute_capability({"AOTI_COMPUTE_CAPABILITY": here}, "decode", tmp_path / "a.pt2")
+    _check_compute_capability({}, "decode", tmp_path / "a.pt2")
+    other = "80" if here != "80" else "90"
+    with pytest.raises(ArtifactError, match=rf"method 'decode' was compiled for cuda compute capability {other}, this device is {here}"):
+        _check_compute_capability({"AOTI_COMPUTE_CAPABILITY": other}, "decode", tmp_path / "a.pt2")

@@ -17,7 +17,6 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import IO
 
 import torch
 
@@ -119,13 +118,8 @@ class Artifact:
         check_pt2_layout(names, str(path), specs.methods)
         verify_unnamed_weight_files(pinned, specs.methods)  # before any code loads; the rest as read
         clock.stage("archive")
-        try:
-            from torch.export.pt2_archive._package import load_pt2
-
-            with _loader_name(pinned, path) as name:
-                runners = load_pt2(name, run_single_threaded=single_threaded).aoti_runners
-        except Exception as exc:  # loader raises RuntimeError/others from C++
-            raise ArtifactError(f"cannot load the compiled program in {path}: {exc}") from exc
+        with _loader_name(pinned, path) as name:
+            runners = _compiled_methods(name, specs.methods, single_threaded, specs.device, path)
         clock.stage("loader")
         for method in specs.methods:
             cls._cross_check(path, specs, runners[method], method)
@@ -295,26 +289,63 @@ def _pinned(path: Path) -> Iterator[str]:
         os.close(fd)
 
 
+def _compiled_methods(name: str, methods: Sequence[str], single_threaded: bool, device: str, path: Path) -> dict[str, object]:
+    """Each method's compiled program, as torch's ``load_pt2`` builds it (an ``AOTICompiledModel``
+    over ``AOTIModelPackageLoader``: the loader extracts only that method's folder), without
+    ``load_pt2``'s device-information probe. For a warning when the package was built for another
+    CPU, that probe builds a test library for each CPU vector ISA and loads each one in a fresh
+    Python process that imports torch: about 5 s on the dev CPU and, by session 21's measure, most
+    of the 34 s the first load of every process took on the GPU machine. The one comparison that
+    decides whether a cuda package can run, its compute capability, is checked here and refused by
+    name; nothing else of ``load_pt2`` (its exported programs, extra files) is used."""
+    try:
+        from torch._inductor.package.package import AOTICompiledModel
+
+        loader = torch._C._aoti.AOTIModelPackageLoader  # type: ignore[attr-defined]
+        out: dict[str, object] = {}
+        for method in methods:
+            if device == "cuda":
+                _check_compute_capability(loader.load_metadata_from_package(name, method), method, path)
+            out[method] = AOTICompiledModel(loader(name, method, single_threaded, 1, -1))
+        return out
+    except ArtifactError:
+        raise
+    except Exception as exc:  # the loader raises RuntimeError/others from C++
+        raise ArtifactError(f"cannot load the compiled program in {path}: {exc}") from exc
+
+
+def _check_compute_capability(metadata: dict[str, str], method: str, path: Path) -> None:
+    """Refuse a cuda method compiled for another compute capability than the current device's
+    (its kernels are built for one architecture), comparing what torch records at compile time
+    (``AOTI_COMPUTE_CAPABILITY``) with the same function's value now; nothing to compare where the
+    package records none."""
+    recorded = metadata.get("AOTI_COMPUTE_CAPABILITY", "")
+    if not recorded:
+        return
+    from torch._dynamo.device_interface import get_interface_for_device
+
+    current = str(get_interface_for_device("cuda").get_compute_capability())
+    if recorded != current:
+        raise ArtifactError(
+            f"{path}: method {method!r} was compiled for cuda compute capability {recorded}, this device is {current}: "
+            "export it again on this kind of GPU"
+        )
+
+
 @contextlib.contextmanager
-def _loader_name(pinned: str, path: Path) -> Iterator[str | IO[bytes]]:
-    """What torch's ``load_pt2`` is given for the pinned file: a name ending in ``.pt2`` (it
-    wants that, or a file object). A file object makes it read the whole archive into memory and
-    write a copy to a temporary file before its loader opens that (torch 2.11-2.13): 2.5 GB of
-    reads and writes for a 1B package, 16 GB for an 8B one. So the name is a link, in a private
-    folder of this process's own, to ``/proc/self/fd/N``: opening it reaches the descriptor
-    :func:`_pinned` holds, the file that was checked, and nothing is copied. Where the pinned
-    name is the path itself (no ``/proc``), a path ending in ``.pt2`` goes as it is, any other as
-    a file object."""
+def _loader_name(pinned: str, path: Path) -> Iterator[str]:
+    """What torch's package loader is given for the pinned file: a file name (it reads no file
+    object). The name is a link, in a private folder of this process's own, to
+    ``/proc/self/fd/N``: opening it reaches the descriptor :func:`_pinned` holds, the file that was
+    checked (a ``.pt2`` name, which torch's loaders have wanted). Where the pinned name is the path
+    itself (no ``/proc``), it goes as it is."""
     if pinned.startswith("/proc/self/fd/"):
         with tempfile.TemporaryDirectory(prefix="offgraph-load-") as folder:  # mode 0700: nobody else's
             link = os.path.join(folder, "package.pt2")
             os.symlink(pinned, link)
             yield link
-    elif pinned.endswith(".pt2"):
-        yield pinned
     else:
-        with open(pinned, "rb") as file:
-            yield file
+        yield pinned
 
 
 @contextlib.contextmanager
