@@ -40,7 +40,7 @@ from offgraph_export.passes.graph_utils import attr_tensor, last_linear_weight, 
 from offgraph_export.passes.result import PassResult
 from offgraph_export.ops.quantized import dequantize_weight
 from offgraph_export.reference.weight_quant import QuantizedTensors, dequantize, quantize
-from offgraph_export.specs.quantization import QuantizationSpec, QuantizedWeight
+from offgraph_export.specs.quantization import GROUPED_SCHEMES, QuantizationSpec, QuantizedWeight
 
 __all__ = ["quantize_weights", "QuantizedLinearWeight"]
 
@@ -80,6 +80,9 @@ def quantize_weights(
     if scheme == "8da4w":  # torchao's form, for XNNPACK
         from offgraph_export.passes.quantize_8da4w import quantize_8da4w
 
+        if lm_head is not None:
+            raise ExportError("8da4w stores every linear as 8da4w; --quantize-lm-head applies to --quantize int8 or int4")
+
         assert group_size is not None
         return quantize_8da4w(ep, example_inputs, group_size, sources)
     gm = ep.module()
@@ -87,7 +90,7 @@ def quantize_weights(
     if not groups:
         return PassResult(ep, modified=False, produced=None)
     graph = gm.graph
-    head = last_linear_weight(gm, groups) if lm_head is not None else None
+    head = last_linear_weight(gm, groups) if lm_head not in (None, scheme) else None
     given = dict(stored or {})
     records: list[QuantizedWeight] = []
     replaced: set[str] = set()
@@ -102,7 +105,7 @@ def quantize_weights(
                 raise ExportError(f"{target} (the lm_head) arrived quantized; --quantize-lm-head none cannot leave it float")
             continue
         weight_scheme = own or scheme
-        weight_group = group_size if weight_scheme == "int4" else None
+        weight_group = group_size if weight_scheme in GROUPED_SCHEMES else None
         if any(n in given for n in names):
             form = _given_form(target, weight, names, given, weight_scheme, weight_group)
             used.update(id(given[n]) for n in names)
@@ -132,7 +135,7 @@ def quantize_weights(
         )
     if not records:
         return PassResult(ep, modified=False, produced=None)
-    grouped = any((r.scheme or scheme) == "int4" for r in records)
+    grouped = any((r.scheme or scheme) in GROUPED_SCHEMES for r in records)
     spec = QuantizationSpec(scheme=scheme, group_size=group_size if grouped else None, weights=records)  # type: ignore[arg-type]
     return PassResult(retrace_rewritten(gm, ep, example_inputs, replaced, "quantized weights"), modified=True, produced=spec)
 
