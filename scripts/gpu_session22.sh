@@ -11,7 +11,7 @@ ART=/tmp/lp/tiny.pt2; mkdir -p /tmp/lp
 timeout 150 python3 -m offgraph_export export examples/tiny_llama.py:build -o "$ART" --device cuda --dtype bfloat16 \
   --max-capacity 4096 --max-write 64 > "$OUT/export.log" 2>&1
 echo "export rc $? (${SECONDS}s)" | tee -a "$OUT/summary.txt"
-for which in torch ours torch ours; do
+for which in torch ours; do
   timeout 120 python3 scripts/load_probe.py "$ART" $which 2>>"$OUT/probe.err" | tee -a "$OUT/summary.txt"
 done
 echo "probes done (${SECONDS}s)" | tee -a "$OUT/summary.txt"
