@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 22's one device call: the first-load probe (torch's load_pt2 against Artifact.load, each in a
-# fresh process, on a fresh machine), then the CUDA tests. Usage: scripts/gpu_session22.sh OUT_DIR
+# fresh process, on a fresh machine), then the CUDA tests until BUDGET_S (default 540) seconds. Usage: scripts/gpu_session22.sh OUT_DIR
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_session22.sh OUT_DIR}
 mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
@@ -15,6 +15,6 @@ for which in torch ours; do
   timeout 120 python3 scripts/load_probe.py "$ART" $which 2>>"$OUT/probe.err" | tee -a "$OUT/summary.txt"
 done
 echo "probes done (${SECONDS}s)" | tee -a "$OUT/summary.txt"
-timeout -k 5 $((540 - SECONDS)) python3 -m pytest -m cuda -q -rs tests -p no:cacheprovider --durations=10 > "$OUT/pytest_cuda.log" 2>&1
+timeout -k 5 $((${BUDGET_S:-540} - SECONDS)) python3 -m pytest -m cuda -q -rs tests -p no:cacheprovider --durations=10 > "$OUT/pytest_cuda.log" 2>&1
 echo "pytest rc $? (${SECONDS}s): $(grep -E '[0-9]+ (passed|failed)' "$OUT/pytest_cuda.log" | tail -1)" | tee -a "$OUT/summary.txt"
 grep -E "^(FAILED|ERROR)" "$OUT/pytest_cuda.log" | head -20 | tee -a "$OUT/summary.txt"
