@@ -50,7 +50,7 @@ from offgraph_export.reference.weight_quant import QuantizedTensors
 from offgraph_export.specs.artifact import DECODE_METHOD, SESSIONS_METHOD, STEP_METHOD, ArtifactSpecs, SymbolRange
 from offgraph_export.specs.cache_config import CacheConfig
 from offgraph_export.specs.manifest import CacheManifest
-from offgraph_export.specs.quantization import QuantizationSpec
+from offgraph_export.specs.quantization import GROUPED_SCHEMES, QuantizationSpec
 from offgraph_export.specs.step_width import StepWidthSpec
 
 __all__ = [
@@ -361,7 +361,10 @@ def export_and_lower(
     quantize, group_size, quantize_others = resolved.quantize, resolved.group_size, True
     torchao = convert_torchao_weights(module)
     if torchao is not None:
-        quantize, group_size, quantize_others = export_scheme(torchao, resolved.quantize, wanted.group_size, resolved.format == "pt2")
+        quantize, group_size, quantize_others = export_scheme(
+            torchao, resolved.quantize, wanted.group_size, resolved.format == "pt2",
+            head_group=resolved.group_size if resolved.quantize_lm_head in GROUPED_SCHEMES else None,
+        )
         progress(f"{len(torchao.stored)} torchao weights taken as they are ({torchao.described})")
     inputs = _fit_width(bundle.example_inputs, bundle.token_dims, bundle.cache_config.max_write, device)
     timings: dict[str, float] = {}

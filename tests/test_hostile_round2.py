@@ -611,7 +611,8 @@ def test_torchs_loader_gets_a_link_to_the_pinned_file_not_a_copy(example_artifac
     the checked file and is gone after the load (``load_pt2`` given a file object reads the whole
     archive into memory and writes it to a temporary file: 2.5 GB for a 1B package); each method
     is loaded by its own name, and ``load_pt2``'s device-information probe (a test library built
-    and loaded in a fresh Python process per CPU vector ISA) never runs."""
+    and loaded in a fresh Python process per CPU vector ISA) never runs (a guard: it fails if the
+    load goes through ``load_pt2`` again)."""
     import torch
     import torch._inductor.codecache as codecache
 
@@ -643,6 +644,26 @@ def test_load_errors_name_the_path_not_the_descriptor(tmp_path):
     assert str(bad) in str(info.value) and "/proc/self/fd" not in str(info.value)
 
 
+@pytest.mark.parametrize("version", [b"99", None])
+def test_an_archive_version_torch_does_not_read_is_refused(example_artifact, tmp_path, version):
+    """torch's ``load_pt2`` refused an ``archive_version`` other than its own; the project's loader,
+    which no longer calls it, keeps that refusal (a missing one too)."""
+    from tests.archive_tools import rewrite
+
+    bad = rewrite(example_artifact, tmp_path / "version.pt2",
+                  edit=lambda name, data: (version if name.endswith("/archive_version") else data))
+    with pytest.raises(ArtifactError, match=r"archive_version is .* this torch reads '0'"):
+        Artifact.load(bad)
+
+
+def test_kernels_run_on_their_own_major_version_at_the_same_or_a_later_minor():
+    from offgraph_export.runtime.artifact import runs_on
+
+    assert runs_on("80", "86") and runs_on("90", "90") and runs_on("100", "103")
+    assert not runs_on("86", "80") and not runs_on("90", "100") and not runs_on("100", "90") and not runs_on("103", "100")
+    assert runs_on("gfx90a", "gfx90a") and not runs_on("gfx90a", "gfx942")
+
+
 @pytest.mark.cuda
 def test_a_cuda_method_for_another_compute_capability_is_refused_by_name(tmp_path):
     """The one device comparison the load keeps from ``load_pt2``'s probe: the compute capability a
@@ -655,6 +676,6 @@ def test_a_cuda_method_for_another_compute_capability_is_refused_by_name(tmp_pat
     here = str(major * 10 + minor)
     _check_compute_capability({"AOTI_COMPUTE_CAPABILITY": here}, "decode", tmp_path / "a.pt2")
     _check_compute_capability({}, "decode", tmp_path / "a.pt2")
-    other = "80" if here != "80" else "90"
+    other = str((major + 1) * 10)  # the next major version: its kernels do not run here
     with pytest.raises(ArtifactError, match=rf"method 'decode' was compiled for cuda compute capability {other}, this device is {here}"):
         _check_compute_capability({"AOTI_COMPUTE_CAPABILITY": other}, "decode", tmp_path / "a.pt2")

@@ -509,3 +509,27 @@ def test_cuda_int4_transformers_llama_batched_checks(tmp_path_factory):
     for graphs in (False, True):
         report = check_batched(str(out), cast_bundle(load_bundle(f"hf:{checkpoint}"), "bfloat16"), sessions=8, cuda_graphs=graphs)
         assert report.passed, report.render()
+
+
+def test_a_last_linear_that_is_not_the_output_is_not_taken_for_the_lm_head():
+    """A model whose output projection is computed otherwise (``h @ W.T`` with a scaled table):
+    its last ``aten.linear`` is some layer's, so ``--quantize-lm-head`` is refused rather than
+    applied to that layer; ``--quantize`` alone still quantizes every linear."""
+    from offgraph_export.passes.quantize_weights import quantize_weights
+
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(64, 32)
+            self.proj = torch.nn.Linear(32, 32)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            h = torch.relu(self.proj(self.embed(tokens)))
+            return h @ (self.embed.weight * 0.5).T
+
+    model = Scaled().requires_grad_(False)
+    tokens = torch.arange(10)[None]
+    ep = torch.export.export(model, (tokens,), strict=False)
+    with pytest.raises(ExportError, match=r"--quantize-lm-head int8: the program's last linear \(proj.weight\) does not produce its output"):
+        quantize_weights(ep, (tokens,), "int4", 32, lm_head="int8")
+    assert [w.name for w in quantize_weights(ep, (tokens,), "int4", 32).produced.weights] == ["proj.weight"]

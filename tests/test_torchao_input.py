@@ -391,6 +391,35 @@ def test_int4_torchao_model_with_a_float_linear_and_quantize_int4_checks(tmp_pat
     assert any("int4 weights dequantized (1 quantized weights, 1 model weights, groups of 32)" in n for n in report.notes), report.notes
 
 
+def test_int8_torchao_model_with_an_int4_lm_head_checks_and_a_quantized_lm_head_keeps_its_scheme(tmp_path_factory):
+    """torchao int8 on every linear but the output projection, ``quantize="int8"`` with
+    ``quantize_lm_head="int4"``: the export takes the lm_head's group size (128 by default: the
+    example's output projection reads 64 features, so 64 here) though the torchao weights have none,
+    and ``check`` passes against the torchao model with the lm_head dequantized from int4. A
+    torchao model whose lm_head is quantized too keeps its int8: another lm_head scheme is refused."""
+    ao = _torchao()
+    from offgraph_export.check import check_artifact
+    from offgraph_export.pipeline import export_and_lower
+
+    base = tmp_path_factory.mktemp("torchao_head")
+    bundle = _example()
+    ao.quantize_(bundle.model, ao.Int8WeightOnlyConfig(set_inductor_config=False),
+                 filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and fqn != "output")
+    path, program, _ = export_and_lower(bundle, base / "int8_head4.pt2", quantize="int8", quantize_lm_head="int4", group_size=64)
+    spec = program.quantization
+    assert spec is not None and (spec.scheme, spec.group_size) == ("int8", 64) and spec.label() == "int8+lm_head:int4/64"
+    assert [w.name for w in spec.weights if w.scheme == "int4"] == ["output.weight"]
+    report = check_artifact(str(path), bundle)
+    assert report.passed, report.render()
+    assert any("int8+lm_head:int4 weights dequantized (1 quantized weights, 1 model weights, groups of 64)" in n
+               for n in report.notes), report.notes
+
+    every = build_int8()
+    with pytest.raises(ExportError, match="output.weight arrived quantized as int8, but this export stores int4"):
+        export_and_lower(every, base / "refused.pt2", quantize="int8", quantize_lm_head="int4", group_size=64)
+    assert not (base / "refused.pt2").exists()
+
+
 # -- without torchao --------------------------------------------------------------------------------
 
 

@@ -252,10 +252,14 @@ def _form(stored: QuantizedTensors) -> str:
     return f"int4 in groups of {stored.group_size}" if stored.group_size else stored.scheme
 
 
-def export_scheme(weights: TorchaoWeights, quantize: str, group_size: int | None, pt2: bool) -> tuple[str, int | None, bool]:
+def export_scheme(
+    weights: TorchaoWeights, quantize: str, group_size: int | None, pt2: bool, head_group: int | None = None,
+) -> tuple[str, int | None, bool]:
     """What export quantizes with, for a model holding ``weights`` and the user's ``quantize`` /
     ``group_size`` (None: not given): ``(scheme, group size, quantize the other linears too)``.
-    Refuses a ``.pte``, another scheme and another int4 group size."""
+    ``head_group``: the group size of an int4 lm_head (``--quantize-lm-head int4``), which an int8
+    model's export takes as its group size. Refuses a ``.pte``, another scheme and another int4
+    group size."""
     from offgraph_export.options import OptionError
 
     if not pt2:
@@ -272,6 +276,8 @@ def export_scheme(weights: TorchaoWeights, quantize: str, group_size: int | None
             f"{weights.described}: an artifact holds one scheme; drop --quantize or use --quantize {weights.scheme}",
             "--quantize",
         )
+    if weights.group_size is None:  # int8: the only grouped weight is an int4 lm_head
+        return weights.scheme, head_group, True
     if group_size is not None and group_size != weights.group_size:
         raise OptionError(
             f"--group-size {group_size} differs from the model's torchao groups, {weights.described}: an artifact "

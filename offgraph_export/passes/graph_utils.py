@@ -22,6 +22,7 @@ __all__ = [
     "attr_tensor",
     "weight_linears",
     "last_linear_weight",
+    "reaches_output",
     "read_elsewhere",
     "drop_unused_attrs",
     "retrace_rewritten",
@@ -307,15 +308,29 @@ def weight_linears(gm: torch.fx.GraphModule) -> dict[str, list[torch.fx.Node]]:
     return found
 
 
-def last_linear_weight(gm: torch.fx.GraphModule, linears: dict[str, list[torch.fx.Node]]) -> str | None:
+def last_linear_weight(gm: torch.fx.GraphModule, linears: dict[str, list[torch.fx.Node]]) -> tuple[str, bool] | None:
     """The weight (a key of ``linears``, :func:`weight_linears`) of the last of those linears in
-    graph order: a decoder's output projection, the lm_head. None without one."""
+    graph order, a decoder's output projection (the lm_head), and whether that linear's result is
+    the program's output (:func:`reaches_output`: False where the model computes its output
+    projection otherwise and the last linear is some layer's). None without one."""
     for node in reversed(gm.graph.nodes):
         if node.op == "call_function" and node.target == torch.ops.aten.linear.default and len(node.args) >= 2:
             target = getattr(node.args[1], "target", None)
             if str(target) in linears and node in linears[str(target)]:
-                return str(target)
+                return str(target), reaches_output(node)
     return None
+
+
+def reaches_output(node: torch.fx.Node, depth: int = 16) -> bool:
+    """Whether ``node``'s value is a graph output, directly or through nodes that read no other
+    tensor (views, casts, slices, a soft-cap's scalar multiplies and tanh), at most ``depth`` deep."""
+    for user in node.users:
+        if user.op == "output":
+            return True
+        others = [a for a in user.all_input_nodes if a is not node]
+        if depth > 0 and user.op == "call_function" and not others and reaches_output(user, depth - 1):
+            return True
+    return False
 
 
 def read_elsewhere(gm: torch.fx.GraphModule, target: str, linears: list[torch.fx.Node]) -> bool:

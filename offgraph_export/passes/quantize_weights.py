@@ -90,7 +90,16 @@ def quantize_weights(
     if not groups:
         return PassResult(ep, modified=False, produced=None)
     graph = gm.graph
-    head = last_linear_weight(gm, groups) if lm_head not in (None, scheme) else None
+    head = None
+    if lm_head not in (None, scheme):
+        found = last_linear_weight(gm, groups)
+        if found is None or not found[1]:
+            raise ExportError(
+                f"--quantize-lm-head {lm_head}: the program's last linear "
+                f"({found[0] if found else 'none'}) does not produce its output, so it is not the lm_head; the model computes "
+                "its output projection otherwise: drop --quantize-lm-head"
+            )
+        head = found[0]
     given = dict(stored or {})
     records: list[QuantizedWeight] = []
     replaced: set[str] = set()

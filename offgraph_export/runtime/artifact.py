@@ -15,6 +15,7 @@ import contextlib
 import os
 import tempfile
 import time
+import zipfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import torch
 
 from offgraph_export.errors import ArtifactError, SpecError
 from offgraph_export.runtime.weights import load_method_weights, verify_unnamed_weight_files
-from offgraph_export.specs.archive import check_archive, check_pt2_layout, regular_file
+from offgraph_export.specs.archive import archive_root, check_archive, check_pt2_layout, regular_file
 from offgraph_export.specs.artifact import (
     DECODE_METHOD,
     METHOD_KEY,
@@ -116,6 +117,7 @@ class Artifact:
         if specs.device == "cuda" and not torch.cuda.is_available():
             raise ArtifactError(f"{path} was compiled for cuda but no CUDA device is available")
         check_pt2_layout(names, str(path), specs.methods)
+        _check_archive_version(pinned, names, path)
         verify_unnamed_weight_files(pinned, specs.methods)  # before any code loads; the rest as read
         clock.stage("archive")
         with _loader_name(pinned, path) as name:
@@ -289,6 +291,24 @@ def _pinned(path: Path) -> Iterator[str]:
         os.close(fd)
 
 
+def _check_archive_version(pinned: str, names: list[str], path: Path) -> None:
+    """The archive's ``archive_version`` is the one this torch writes and reads (torch's
+    ``load_pt2`` refused any other; the project's loader keeps that refusal)."""
+    from torch.export.pt2_archive.constants import ARCHIVE_VERSION_PATH, ARCHIVE_VERSION_VALUE
+
+    entry = archive_root(names, str(path)) + ARCHIVE_VERSION_PATH
+    found = None
+    if entry in names:
+        with zipfile.ZipFile(pinned) as archive:
+            if archive.getinfo(entry).file_size <= 64:
+                found = archive.read(entry).decode("utf-8", errors="replace").strip()
+    if found != ARCHIVE_VERSION_VALUE:
+        raise ArtifactError(
+            f"{path}: its archive_version is {found!r}, this torch reads {ARCHIVE_VERSION_VALUE!r}: "
+            "export it again with this torch"
+        )
+
+
 def _compiled_methods(name: str, methods: Sequence[str], single_threaded: bool, device: str, path: Path) -> dict[str, object]:
     """Each method's compiled program, as torch's ``load_pt2`` builds it (an ``AOTICompiledModel``
     over ``AOTIModelPackageLoader``: the loader extracts only that method's folder), without
@@ -316,7 +336,7 @@ def _compiled_methods(name: str, methods: Sequence[str], single_threaded: bool, 
 
 def _check_compute_capability(metadata: dict[str, str], method: str, path: Path) -> None:
     """Refuse a cuda method compiled for another compute capability than the current device's
-    (its kernels are built for one architecture), comparing what torch records at compile time
+    where its kernels cannot run (:func:`runs_on`), comparing what torch records at compile time
     (``AOTI_COMPUTE_CAPABILITY``) with the same function's value now; nothing to compare where the
     package records none."""
     recorded = metadata.get("AOTI_COMPUTE_CAPABILITY", "")
@@ -325,11 +345,22 @@ def _check_compute_capability(metadata: dict[str, str], method: str, path: Path)
     from torch._dynamo.device_interface import get_interface_for_device
 
     current = str(get_interface_for_device("cuda").get_compute_capability())
-    if recorded != current:
+    if not runs_on(recorded, current):
         raise ArtifactError(
             f"{path}: method {method!r} was compiled for cuda compute capability {recorded}, this device is {current}: "
             "export it again on this kind of GPU"
         )
+
+
+def runs_on(recorded: str, current: str) -> bool:
+    """Whether kernels built for compute capability ``recorded`` run on ``current`` (both as torch
+    writes them, ``major * 10 + minor``: "90", "100"): the same major version and at least the
+    minor one (a cubin runs on later minor versions of its major), or the same value where either
+    is not a number."""
+    if not (recorded.isdigit() and current.isdigit()):
+        return recorded == current
+    (major, minor), (now_major, now_minor) = divmod(int(recorded), 10), divmod(int(current), 10)
+    return major == now_major and now_minor >= minor
 
 
 @contextlib.contextmanager

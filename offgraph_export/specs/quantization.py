@@ -94,8 +94,13 @@ class QuantizationSpec(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> "QuantizationSpec":
-        if self.scheme not in PT2_SCHEMES and any(w.scheme is not None for w in self.weights):
+        own = [w for w in self.weights if w.scheme is not None]
+        if own and self.scheme not in PT2_SCHEMES:
             raise ValueError(f"a {self.scheme} spec stores every weight as {self.scheme}; a weight names its own scheme")
+        if any(w.scheme == self.scheme for w in own):
+            raise ValueError(f"weight {next(w.name for w in own if w.scheme == self.scheme)} names the spec's own scheme {self.scheme}")
+        if len(own) > 1:
+            raise ValueError(f"{len(own)} weights name their own scheme; only the lm_head does")
         grouped = [w for w in self.weights if self.scheme_of(w) in GROUPED_SCHEMES]
         if grouped:
             if self.group_size not in GROUP_SIZES:
