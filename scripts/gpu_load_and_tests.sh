@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Session 22's one device call: the first-load probe (torch's load_pt2 against Artifact.load, each in a
-# fresh process, on a fresh machine), then the CUDA tests until BUDGET_S (default 540) seconds. Usage: scripts/gpu_session22.sh OUT_DIR
+# One device call: the first-load probe (torch's load_pt2 against Artifact.load, each in a
+# fresh process, on a fresh machine), then the CUDA tests until BUDGET_S (default 540) seconds. Usage: scripts/gpu_load_and_tests.sh OUT_DIR
 set -uo pipefail
-OUT=${1:?usage: scripts/gpu_session22.sh OUT_DIR}
+OUT=${1:?usage: scripts/gpu_load_and_tests.sh OUT_DIR}
 mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
