@@ -289,13 +289,13 @@ def export(model_factory, output, device, max_capacity, initial_capacity, max_wr
 
 def _quantization_line(q) -> str:
     """What ``inspect`` says of quantized weights (design section 11)."""
-    group = f" in groups of {q.group_size}" if q.scheme in GROUPED_SCHEMES else " per output channel"
+    def form(scheme: str) -> str:
+        return f"{scheme} in groups of {q.group_size}" if scheme in GROUPED_SCHEMES else f"{scheme} per output channel"
+
     shared = sum(w.shared for w in q.weights)
     tied = f"; {shared} also read as float (tied)" if shared else ""
-    own = [w for w in q.weights if w.scheme is not None]
-    head = "".join(f"; the lm_head {w.name} {w.scheme}" + (f" in groups of {q.group_size}" if w.scheme == "int4" else " per output channel")
-                   for w in own)
-    return (f"weights       {q.scheme}{group}: {len(q.weights)} linear weights from {sum(len(w.sources) for w in q.weights)} "
+    head = "".join(f"; the lm_head {w.name} {form(w.scheme)}" for w in q.weights if w.scheme is not None)
+    return (f"weights       {form(q.scheme)}: {len(q.weights)} linear weights from {sum(len(w.sources) for w in q.weights)} "
             f"model weights{tied}{head}")
 
 
