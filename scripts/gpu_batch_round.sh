@@ -8,7 +8,7 @@
 #       the CUDA tests of the attention kernels (CUDA_TESTS names others; PAGE_SIZE=N skips the probe);
 #   scripts/gpu_batch_round.sh measure OUT_DIR   the measure phase with the same options, then
 #       everything packed into OUT_DIR/bres.tgz (the device tool returns at most 8 files).
-# About 6-7 minutes, then about 9.
+# About 6-7 minutes (then the first-load probe, torch's loader against ours, as time allows), then about 9.
 set -uo pipefail
 PHASE=${1:?usage: scripts/gpu_batch_round.sh build|measure OUT_DIR}
 OUT=${2:?usage: scripts/gpu_batch_round.sh build|measure OUT_DIR}
@@ -57,6 +57,13 @@ PY
   say "build rc $status"
   wait $tests
   say "pytest rc $?: $(tail -1 "$OUT/pytest_cuda.log")"
+  # a fresh process's first load of the single-session package, torch's load_pt2 against ours
+  # (scripts/load_probe.py), while the call has time left
+  for which in torch ours; do
+    left=$((560 - (SECONDS - START)))
+    [ -f /tmp/offgraph_batch_bench/single.pt2 ] && [ $left -gt 20 ] || break
+    timeout $left python3 scripts/load_probe.py /tmp/offgraph_batch_bench/single.pt2 $which 2>>"$OUT/probe.err" | tee -a "$OUT/summary.txt"
+  done
   tail -20 "$OUT/build_call.log" >> "$OUT/summary.txt"
   tar czf "$OUT/build.tgz" -C /tmp/batch_round build 2>/dev/null
   exit $status
