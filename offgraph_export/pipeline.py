@@ -289,13 +289,15 @@ def _fused_sources(fused: PassResult[list[list[str]]] | None) -> dict[str, list[
 def lower(
     program: StrippedProgram, path: str | Path, device: str = "cpu", format: str = "pt2",
     executorch_backend: str | None = None, max_autotune: str = "none",
-    progress: Progress = _noop, method_seconds: dict[str, float] | None = None, **model_info,
+    progress: Progress = _noop, method_seconds: dict[str, float] | None = None,
+    stage_seconds: dict[str, float] | None = None, **model_info,
 ) -> Path:
     """``format``: ``pt2`` (AOTInductor package with a method per program) or ``executorch``
     (``.pte`` lowered with ``executorch_backend``, by default ``xnnpack`` on cpu and ``cuda`` on
     cuda, the program exported on cpu). ``max_autotune``: one of ``AUTOTUNE_CHOICES`` (pt2),
     recorded in the specs. ``method_seconds``: filled with each pt2 method's compile time by name
-    (:func:`~offgraph_export.lowering.aoti.compile_package`). The options are checked by
+    (:func:`~offgraph_export.lowering.aoti.compile_package`), ``stage_seconds`` with its stages
+    (``"<method>_<stage>"``, ``"package"``). The options are checked by
     :meth:`ExportOptions.resolve` against the program (its decode method, its ``max_write``). ``model_info``: ``model``, ``model_args``,
     ``model_dtype`` recorded for check/run. For the executorch ``cuda`` backend
     ``program.stripped`` is first rewritten in place by ``split_to_slices`` (same values; a second
@@ -307,7 +309,7 @@ def lower(
     ).resolve(program.manifest.max_write, batched=program.manifest.paging is not None)
     if format == "pt2":
         specs = program.artifact_specs(device, options=lowering_record(format, options.max_autotune), **model_info)
-        return compile_package(program.programs, path, specs, progress, method_seconds)
+        return compile_package(program.programs, path, specs, progress, method_seconds, stage_seconds)
     from offgraph_export.lowering.executorch import compile_pte
 
     specs = program.artifact_specs(device, **model_info)
@@ -341,7 +343,9 @@ def export_and_lower(
 ) -> tuple[Path, StrippedProgram, dict[str, float]]:
     """Export, run the passes and lower ``bundle`` to ``path``; returns timings in seconds:
     ``export_s``, ``passes_s`` (and ``pass_<name>_s`` per pass within it), ``compile_s`` (the whole lowering) and, for a ``.pt2``,
-    ``compile_<method>_s`` per method (within ``compile_s``); ``progress`` is told each as its
+    ``compile_<method>_s`` per method (within ``compile_s``), ``compile_<method>_<stage>_s`` per
+    :data:`~offgraph_export.lowering.aoti.COMPILE_STAGES` stage within those, and
+    ``compile_package_s`` (writing the archive); ``progress`` is told each as its
     stage finishes, so a long export shows where its time goes while it runs. The
     model is exported for inference: its parameters stop requiring grad. ``options`` (or, for
     short, its fields as keywords: ``device="cuda"``) are resolved by
@@ -389,11 +393,14 @@ def export_and_lower(
     progress(f"compiling ({resolved.format}) for {resolved.device} (tens of seconds per method)")
     t0 = time.perf_counter()
     method_seconds: dict[str, float] = {}
+    stage_seconds: dict[str, float] = {}
     out = lower(
         program, path, resolved.device, format=resolved.format, executorch_backend=resolved.executorch_backend,
-        max_autotune=resolved.max_autotune, progress=progress, method_seconds=method_seconds, **model_info,
+        max_autotune=resolved.max_autotune, progress=progress, method_seconds=method_seconds,
+        stage_seconds=stage_seconds, **model_info,
     )
     timings["compile_s"] = time.perf_counter() - t0
     timings.update({f"compile_{method}_s": seconds for method, seconds in method_seconds.items()})
+    timings.update({f"compile_{stage}_s": seconds for stage, seconds in stage_seconds.items()})
     progress(f"compiled in {timings['compile_s']:.1f}s")
     return out, program, timings

@@ -46,7 +46,33 @@ __all__ = [
     "inductor_configs",
     "autotuned",
     "program_constants",
+    "inductor_stage_totals",
+    "COMPILE_STAGES",
 ]
+
+#: The stages a method's compile time is broken into, each the sum of Inductor's own timers of that
+#: name (``torch._dynamo.utils.compilation_time_metrics``; the same names in torch 2.11 and 2.13).
+#: ``lower`` includes ``autotune`` (template autotuning runs while the graph is lowered), and
+#: ``codegen`` includes ``triton_wait`` (waiting for the kernels compiled in worker processes);
+#: ``cpp`` is compiling and linking the C++ wrapper and kernels.
+COMPILE_STAGES: dict[str, tuple[str, ...]] = {
+    "lower": ("GraphLowering.run",),
+    "codegen": ("GraphLowering.codegen",),
+    "cpp": ("AotCodeCompiler.compile",),
+    "triton_wait": ("async_compile.wait",),
+}
+_AUTOTUNE_TIMER_SUFFIX = "_template_autotuning"
+
+
+def inductor_stage_totals() -> dict[str, float]:
+    """Inductor's cumulative seconds per :data:`COMPILE_STAGES` stage (and ``autotune``) in this
+    process so far; the difference of two readings is what happened between them."""
+    from torch._dynamo import utils as dynamo_utils
+
+    metrics: dict[str, list[float]] = getattr(dynamo_utils, "compilation_time_metrics", {})
+    totals = {stage: float(sum(sum(metrics.get(name, ())) for name in names)) for stage, names in COMPILE_STAGES.items()}
+    totals["autotune"] = float(sum(sum(v) for k, v in metrics.items() if k.endswith(_AUTOTUNE_TIMER_SUFFIX)))
+    return totals
 
 
 
@@ -131,11 +157,14 @@ def compile_package(
     specs: ArtifactSpecs,
     progress: Callable[[str], None] = lambda _: None,
     method_seconds: dict[str, float] | None = None,
+    stage_seconds: dict[str, float] | None = None,
 ) -> Path:
     """AOT-compile each of ``programs`` (method name -> program, exactly ``specs.methods``) for
     ``specs.device`` into one package at ``path`` (a ``.pt2``). ``method_seconds``, when given, gets
     each method's compile time by name as it finishes (a package's compile time is nearly all
-    these; what is left is packaging), and ``progress`` is told it."""
+    these; what is left is packaging), and ``progress`` is told it. ``stage_seconds``, when given,
+    gets ``"<method>_<stage>"`` for each of :data:`COMPILE_STAGES` (and ``autotune``) and
+    ``"package"``, the time writing the archive took."""
     from torch._inductor import aot_compile
     from torch._inductor.package import package_aoti
 
@@ -162,7 +191,7 @@ def compile_package(
             progress(f"compiling method {method!r} for {specs.device}{tuned}")
             args, kwargs = ep.example_inputs
             constants = describe_constants(program_constants(ep))
-            started = time.perf_counter()
+            started, before = time.perf_counter(), inductor_stage_totals()
             try:
                 with fresh_int_array_names():
                     files[method] = aot_compile(
@@ -171,16 +200,26 @@ def compile_package(
             except Exception as exc:  # inductor raises many types; keep the cause chained
                 raise ExportError(f"AOTInductor compile of method {method!r} for {specs.device} failed: {exc}") from exc
             seconds = time.perf_counter() - started
+            stages = {k: v - before[k] for k, v in inductor_stage_totals().items()}
             if method_seconds is not None:
                 method_seconds[method] = seconds
-            progress(f"compiled method {method!r} in {seconds:.1f}s")
+            if stage_seconds is not None:
+                stage_seconds.update({f"{method}_{stage}": v for stage, v in stages.items()})
+            progress(
+                f"compiled method {method!r} in {seconds:.1f}s (lowering {stages['lower']:.1f}s, of which autotuning "
+                f"{stages['autotune']:.1f}s; code generation {stages['codegen']:.1f}s, of which waiting for kernels "
+                f"{stages['triton_wait']:.1f}s; C++ {stages['cpp']:.1f}s)"
+            )
             _check_stored_weights(files[method], constants, method)
         started = time.perf_counter()
         try:
             package_aoti(str(tmp), files)
         except Exception as exc:
             raise ExportError(f"packaging the compiled methods failed: {exc}") from exc
-        progress(f"packaged the weights and methods in {time.perf_counter() - started:.1f}s")
+        packaged = time.perf_counter() - started
+        if stage_seconds is not None:
+            stage_seconds["package"] = packaged
+        progress(f"packaged the weights and methods in {packaged:.1f}s")
         write_artifact_specs(tmp, specs)
         publish([(tmp, target)], tmp_dir)
     return target
