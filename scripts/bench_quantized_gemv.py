@@ -17,7 +17,6 @@ floor is the weights' bytes at the measured device copy rate.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import time
 from pathlib import Path
@@ -43,6 +42,11 @@ SHAPES = {  # name: (weight rows N, K, norm, gated, residual, copies)
 #: a column a weight row), so the quantized sweep goes to 32 rows.
 CONFIGS = [(1, 1024, 4), (2, 1024, 4), (4, 1024, 4), (2, 2048, 4), (4, 2048, 8), (8, 512, 4),
            (8, 1024, 8), (16, 256, 4), (16, 512, 4), (16, 512, 8), (32, 256, 8)]
+#: The persistent row-tile kernel over quantized rows: (BLOCK_N, programs per SM, warps, stages).
+#: It prepares x (the norm, int4's even/odd split and group sums) once a program instead of once
+#: every BLOCK_N rows; it holds a whole row, so rows up to TILES_MAX_K columns.
+TILE_CONFIGS = [(1, 4, 4, 3), (2, 4, 4, 3), (4, 4, 4, 3), (4, 2, 8, 3), (8, 2, 8, 2), (8, 4, 8, 2)]
+TILES_MAX_K = 8192
 GROUP = 128
 
 
@@ -61,7 +65,8 @@ def copy_rate() -> float:
 VARIANTS = {  # step variant: the weights it reads
     "cublas_bf16": "bf16", "gemv_bf16": "bf16", "gemv_int8": "int8", "gemv_int8_pervalue": "int8",
     "gemv_int4": "int4", "gemv_int4_pervalue": "int4", "tinygemm_int4": "int4",
-}
+    "gemv_int8_best": "int8", "gemv_int4_best": "int4",
+}  # *_best: for each projection the fastest launch measured for it (what a default tuned on this run gives)
 
 
 def report(data: dict) -> str:
@@ -87,6 +92,10 @@ def report(data: dict) -> str:
             continue
         us, floor = data["step_us"][variant], data["floor_us"][weights]
         lines.append(f"| {variant} | {us:,.1f} | {data['weight_bytes'][weights] / 1e9:.3f} GB | {floor:,.1f} | {100 * floor / us:.0f}% |")
+    lines += ["", "| projection | fastest int8 launch | fastest int4 launch |", "|---|---|---|"]
+    for row in data["rows"]:
+        if "best" in row:
+            lines.append(f"| {row['shape'].replace('|', chr(92) + '|')} | {row['best']['int8']} | {row['best']['int4']} |")
     lines += ["", "A bf16 step at or above 100% of the floor means the copy rate read here is below what the card's "
               "weight reads reach: compare the variants with each other first."]
     lines += ["", "Command: `python scripts/bench_quantized_gemv.py --out quantized_gemv.json` (in `scripts/gpu_quantized.sh`)."]
@@ -133,10 +142,16 @@ def main() -> None:
 
             row["us"][f"gemv_{scheme}"] = replay_us(run, copies)
             row["us"][f"gemv_{scheme}_pervalue"] = replay_us(lambda: run(tg._config(k, gated, True, n) | {"dequant": "value"}), copies)
-            for (bn, bk, warps), dequant in itertools.product(CONFIGS, ("value", "group")):
-                config = {"kernel": "rows", "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "dequant": dequant}
+            sweep = {f"gemv_{scheme}_group_{bn}x{bk}w{warps}": {"kernel": "rows", "BLOCK_N": bn, "BLOCK_K": bk,
+                                                                  "num_warps": warps, "dequant": "group"}
+                     for bn, bk, warps in CONFIGS}
+            if k <= TILES_MAX_K:
+                sweep |= {f"gemv_{scheme}_tiles_{bn}r{per_sm}p{warps}w{stages}s": {
+                    "kernel": "tiles", "BLOCK_N": bn, "per_sm": per_sm, "num_warps": warps, "num_stages": stages}
+                    for bn, per_sm, warps, stages in TILE_CONFIGS}
+            for key, config in sweep.items():
                 try:
-                    row["us"][f"gemv_{scheme}_{dequant}_{bn}x{bk}w{warps}"] = replay_us(lambda: run(config), copies)
+                    row["us"][key] = replay_us(lambda: run(config), copies)
                 except Exception as exc:  # noqa: BLE001 - a configuration may not compile; say so
                     print(f"  {name} {scheme} {config}: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
             if scheme == "int4" and not gated:
@@ -154,15 +169,16 @@ def main() -> None:
             del stored
         best = {}
         for scheme in ("int8", "int4"):
-            options = {key: us for key, us in row["us"].items() if key.startswith(f"gemv_{scheme}")}
+            options = {key: us for key, us in row["us"].items() if key.startswith(f"gemv_{scheme}") and "pervalue" not in key}
             best[scheme] = min(options, key=options.get)
+            row["us"][f"gemv_{scheme}_best"] = options[best[scheme]]
         row["best"] = best
         rows.append(row)
         print(name, {key: round(us, 2) for key, us in row["us"].items()}, flush=True)
         del ws
         torch.cuda.empty_cache()
     step = {}
-    for variant in ("cublas_bf16", "gemv_bf16", "gemv_int8", "gemv_int4", "gemv_int8_pervalue", "gemv_int4_pervalue", "tinygemm_int4"):
+    for variant in VARIANTS:
         total = 0.0
         for row in rows:
             us = row["us"].get(variant) or row["us"].get("gemv_bf16" if variant == "gemv_bf16" else "cublas_bf16")

@@ -88,6 +88,31 @@ def test_interp_gemv_with_a_bias_matches_eager(norm, gated, gate_first, residual
     torch.testing.assert_close(got, want, atol=3e-5, rtol=3e-5)
 
 
+#: the persistent row-tile kernel's quantized launches swept by scripts/bench_quantized_gemv.py
+TILES = [{"kernel": "tiles", "BLOCK_N": bn, "per_sm": 1, "num_warps": 4, "num_stages": 2} for bn in (1, 4)]
+
+
+@interpreter_only
+@pytest.mark.parametrize("config", TILES, ids=lambda c: f"tiles{c['BLOCK_N']}")
+@pytest.mark.parametrize("scheme,group", SCHEMES)
+@pytest.mark.parametrize("norm, gated, gate_first, residual", FOLDS[:4])
+@pytest.mark.parametrize("n, k, bias", [(600, 1152, True)])  # several tiles a program; K < BLOCK_K
+def test_interp_tiles_kernel_reads_quantized_rows_like_the_float_folds(n, k, bias, norm, gated, gate_first, residual, scheme, group, config):
+    """The persistent kernel (``x`` prepared once a program, int4's even and odd columns and group
+    sums too) over int8 / int4 rows, per row or group, with every fold and a bias, against ``W'``."""
+    from offgraph_export.kernels.triton_gemv import gemv_launch
+
+    x, w, nw, res = _fold_inputs(n, k, torch.float32, norm, gated, residual)
+    b = torch.randn(n, generator=torch.Generator().manual_seed(5)) if bias else None
+    stored, w_prime = _quantized(w, scheme, group)
+    got = gemv_launch(x, stored.qweight, nw, 1e-5, res, gated, gate_first, config, scales=stored.scales,
+                      zeros=stored.zeros, group_size=group or 0, bias=b)
+    want = _eager_folds(x, w_prime, nw, 1e-5, res, gated, gate_first, bias=b)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=3e-5, rtol=3e-5)
+    assert (got - _eager_folds(x, w, nw, 1e-5, res, gated, gate_first, bias=b)).abs().max() > 1e-4
+
+
 #: (n, k) and folds at the Llama-1B shapes; the lm_head (128256 rows) is never gated
 CUDA_CASES = [(n, k, *fold) for n, k in [(3072, 2048), (2048, 8192), (16384, 2048), (128256, 2048)]
               for fold in FOLDS[:4] if not (fold[1] and n > 16384)]
@@ -108,6 +133,30 @@ def test_quantized_gemv_matches_on_cuda(n, k, norm, gated, gate_first, residual,
                         None if res is None else res.double(), gated, gate_first)
     eager = _eager_folds(x, w_prime, nw, 1e-5, res, gated, gate_first)
     got = triton_gemv(x, stored.qweight, nw, 1e-5, res, gated, gate_first, stored.scales, stored.zeros, group or 0)
+    err = ((got.double() - want).norm() / want.norm()).item()
+    eager_err = ((eager.double() - want).norm() / want.norm()).item()
+    assert err <= 1.5 * eager_err + 1e-3, f"GEMV error {err:.2e} vs eager bf16 {eager_err:.2e}"
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("scheme,group", SCHEMES)
+@pytest.mark.parametrize("n, k, norm, gated, gate_first, residual", [
+    (3072, 2048, True, False, True, False), (16384, 2048, True, True, True, False),
+    (2048, 8192, False, False, True, True), (128256, 2048, True, False, True, False)])
+def test_quantized_tiles_kernel_matches_on_cuda(n, k, norm, gated, gate_first, residual, scheme, group):
+    """The persistent kernel over quantized rows in bf16 at the Llama-1B shapes (8 warps for the
+    8192-column rows it holds whole): as close to a float64 recompute over ``W'`` as eager is."""
+    from offgraph_export.kernels.triton_gemv import gemv_launch
+
+    x, w, nw, res = _fold_inputs(n, k, torch.bfloat16, norm, gated, residual, device="cuda", seed=7)
+    stored, w_prime = _quantized(w, scheme, group)
+    want = _eager_folds(x.double(), w_prime.double(), None if nw is None else nw.double(), 1e-5,
+                        None if res is None else res.double(), gated, gate_first)
+    eager = _eager_folds(x, w_prime, nw, 1e-5, res, gated, gate_first)
+    config = {"kernel": "tiles", "BLOCK_N": 4, "per_sm": 4, "num_warps": 8 if k > 4096 else 4, "num_stages": 3}
+    got = gemv_launch(x, stored.qweight, nw, 1e-5, res, gated, gate_first, config, scales=stored.scales,
+                      zeros=stored.zeros, group_size=group or 0)
     err = ((got.double() - want).norm() / want.norm()).item()
     eager_err = ((eager.double() - want).norm() / want.norm()).item()
     assert err <= 1.5 * eager_err + 1e-3, f"GEMV error {err:.2e} vs eager bf16 {eager_err:.2e}"

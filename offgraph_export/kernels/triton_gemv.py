@@ -93,7 +93,9 @@ def _config(k: int, gated: bool = False, quantized: bool = False, n: int = 0, bi
     "rows" (:func:`_gemv_kernel`: ``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``dequant``) or "tiles"
     (:func:`_gemv_tiles_kernel`: ``BLOCK_N``, ``per_sm`` programs, ``num_warps``, ``num_stages``).
     ``quantized``: the weight is int8/int4 (the rows kernel, dequantized per row or group);
-    ``bias``: the linear adds one (the rows kernel: the tiles kernel has none)."""
+    ``bias``: the linear adds one (the rows kernel: the tiles kernel takes one, but its launch
+    was swept without). The tiles kernel also reads quantized rows (a launch option, swept by
+    ``scripts/bench_quantized_gemv.py``; not a default until measured faster)."""
     if quantized:
         if n >= _QUANT_WIDE_ROWS:
             return {"kernel": "rows", "BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "dequant": "group"}
@@ -273,16 +275,46 @@ def _finish(proj, up, out_ptr, res_ptr, rows, row_ok, GATED: tl.constexpr, RESID
 
 
 @triton.jit
+def _tile_sums(w_ptr, s_ptr, z_ptr, w_rows, s_rows, row_ok, cols, col_ok, xf, xa, xb, xsum, K,
+               QUANT: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 row sums of one row tile against the whole (prepared) ``x``: float rows against
+    ``xf``; int8 rows ``s * sum(q x)``; int4 rows by group, ``s * sum(q x) + (z - 8 s) * sum(x)``
+    over ``xa``/``xb`` (the even and odd columns) and ``xsum`` (each group's ``sum(x)``), as
+    :func:`_int4_group_sums` computes them."""
+    if QUANT == 4:
+        half = tl.arange(0, BLOCK_K // 2)
+        ok = row_ok[:, None] & (2 * half < K)[None, :]
+        b = tl.load(w_ptr + w_rows[:, None] + half[None, :], mask=ok, other=0)
+        p = (b & 15).to(tl.float32) * xa[None, :] + (b >> 4).to(tl.float32) * xb[None, :]
+        sums = tl.sum(tl.reshape(p, (BLOCK_N, BLOCK_K // GROUP, GROUP // 2)), axis=2)
+        groups = tl.arange(0, BLOCK_K // GROUP)
+        gok = row_ok[:, None] & (groups * GROUP < K)[None, :]
+        s = tl.load(s_ptr + s_rows[:, None] + groups[None, :], mask=gok, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + s_rows[:, None] + groups[None, :], mask=gok, other=0.0).to(tl.float32)
+        return tl.sum(sums * s + (z - 8.0 * s) * xsum[None, :], axis=1)
+    else:
+        mask = row_ok[:, None] & col_ok[None, :]
+        w = tl.load(w_ptr + w_rows[:, None] + cols[None, :], mask=mask, other=0.0)
+        out = tl.sum(w.to(tl.float32) * xf, axis=1)
+        if QUANT == 8:
+            out = out * tl.load(s_ptr + s_rows, mask=row_ok, other=0.0).to(tl.float32)
+        return out
+
+
+@triton.jit
 def _gemv_tiles_kernel(
-    x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, N, K, stride_wn, gate_offset, up_offset, eps,
-    NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, s_ptr, z_ptr, b_ptr, N, K, stride_wn, stride_sn, gate_offset, up_offset, eps,
+    NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
+    BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Persistent variant for rows that fit one block (``K <= BLOCK_K``): program p prepares
     ``x`` once (the RMSNorm prologue included), then walks the row tiles ``p, p + P, ...`` (P
     programs, a few per SM), ``BLOCK_N`` output features (weight rows) each, with the weight loads
     software-pipelined ``NUM_STAGES`` deep across tiles, so an SM keeps reading weights while it
-    reduces the tile before, instead of starting a new program (and its prologue) per tile."""
+    reduces the tile before, instead of starting a new program (and its prologue) per tile.
+    QUANT 8 or 4: quantized rows dequantized per row or group (:func:`_tile_sums`); ``x`` and,
+    for int4, its even and odd columns and each group's sum are prepared once a program, where
+    the per-row-block kernel reads them again for every few rows. BIAS as there."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     dt = out_ptr.dtype.element_ty
@@ -295,16 +327,27 @@ def _gemv_tiles_kernel(
         scale = tl.load(norm_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         x = _rms_normed(x, scale, rstd, dt)
     xf = x.to(tl.float32)[None, :]
+    xa = xf
+    xb = xf
+    xsum = xf
+    if QUANT == 4:
+        xa, xb = tl.split(tl.reshape(x.to(tl.float32), (BLOCK_K // 2, 2)))
+        xsum = tl.sum(tl.reshape(xa + xb, (BLOCK_K // GROUP, GROUP // 2)), axis=1)
     for tile in tl.range(pid, tl.cdiv(N, BLOCK_N), programs, num_stages=NUM_STAGES):
         rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
-        mask = row_ok[:, None] & col_ok[None, :]
-        w = tl.load(w_ptr + ((rows + gate_offset).to(tl.int64) * stride_wn)[:, None] + cols[None, :], mask=mask, other=0.0)
-        proj = tl.sum(w.to(tl.float32) * xf, axis=1)
+        gate_rows = (rows + gate_offset).to(tl.int64)
+        proj = _tile_sums(w_ptr, s_ptr, z_ptr, gate_rows * stride_wn, gate_rows * stride_sn, row_ok, cols, col_ok, xf,
+                          xa, xb, xsum, K, QUANT, GROUP, BLOCK_N, BLOCK_K)
+        if BIAS:
+            proj += tl.load(b_ptr + gate_rows, mask=row_ok, other=0.0).to(tl.float32)
         up = proj
         if GATED:
-            w_up = tl.load(w_ptr + ((rows + up_offset).to(tl.int64) * stride_wn)[:, None] + cols[None, :], mask=mask, other=0.0)
-            up = tl.sum(w_up.to(tl.float32) * xf, axis=1)
+            up_rows = (rows + up_offset).to(tl.int64)
+            up = _tile_sums(w_ptr, s_ptr, z_ptr, up_rows * stride_wn, up_rows * stride_sn, row_ok, cols, col_ok, xf,
+                            xa, xb, xsum, K, QUANT, GROUP, BLOCK_N, BLOCK_K)
+            if BIAS:
+                up += tl.load(b_ptr + up_rows, mask=row_ok, other=0.0).to(tl.float32)
         _finish(proj, up, out_ptr, res_ptr, rows, row_ok, GATED, RESIDUAL)
 
 
@@ -388,20 +431,21 @@ def gemv_launch(x, w, norm_weight=None, eps=0.0, residual=None, gated=False, gat
     flags = dict(NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None,
                  BLOCK_N=config["BLOCK_N"], num_warps=config["num_warps"])
     tiles = triton.cdiv(n_out, config["BLOCK_N"])
+    s_arg = scales if quant else flat
+    z_arg = zeros if quant else flat
+    b_arg = bias if bias is not None else flat
     if config["kernel"] == "tiles":
-        torch._check(not quant and bias is None, lambda: "quantized weights and biases take the rows kernel")
+        torch._check(quant != 4 or group_size % 2 == 0, lambda: f"an int4 group holds whole bytes, not {group_size} values")
         programs = min(tiles, config["per_sm"] * sm_count(x.device))
-        args = (flat, w, out, norm, res, n_out, k, w.stride(0), gate_offset, up_offset, eps)
+        args = (flat, w, out, norm, res, s_arg, z_arg, b_arg, n_out, k, w.stride(0), stride_sn, gate_offset, up_offset, eps)
         torch.library.wrap_triton(_gemv_tiles_kernel)[(programs, 1, 1)](
-            *args, BLOCK_K=_pow2_at_least(k), NUM_STAGES=config["num_stages"], **flags,
+            *args, QUANT=quant, GROUP=max(group_size, 1), BIAS=bias is not None,
+            BLOCK_K=max(_pow2_at_least(k), 2 * max(group_size, 1)), NUM_STAGES=config["num_stages"], **flags,
         )
     else:
         block_k = config["BLOCK_K"]
         if quant == 4:
             block_k = max(block_k, 2 * group_size)  # a chunk holds whole groups' worth of columns
-        s_arg = scales if quant else flat
-        z_arg = zeros if quant else flat
-        b_arg = bias if bias is not None else flat
         by_group = bool(quant) and config.get("dequant", "value") == "group"
         acc_k = block_k // group_size if by_group and quant == 4 else block_k // 2 if quant == 4 else block_k
         args = (flat, w, out, norm, res, s_arg, z_arg, b_arg, n_out, k, w.stride(0), stride_sn, gate_offset, up_offset, eps)
