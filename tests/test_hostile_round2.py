@@ -72,8 +72,14 @@ class Member:
 
 
 def members_of(path: Path | io.BytesIO) -> list[Member]:
+    """Each member's name and bytes (the checksums recomputed when written again). A weight
+    file's own records carry no CRC-32 (``lowering/aoti.py``), so none is compared here."""
+    members = []
     with zipfile.ZipFile(path) as z:
-        return [Member(i.filename, z.read(i)) for i in z.infolist()]
+        for info in z.infolist():
+            info.CRC = None  # zipfile then skips its check
+            members.append(Member(info.filename, z.read(info)))
+    return members
 
 
 def end_record(count: int, size: int, offset: int, comment: bytes = b"") -> bytes:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch.export import ExportedProgram
+from torch.utils.serialization import config as serialization_config
 
 from offgraph_export.compat import AOTI_CHECKS_LOWERBOUND, aoti_shim_lacks, fresh_int_array_names, unlifted_module
 from offgraph_export.errors import ArtifactError, ExportError
@@ -213,7 +214,13 @@ def compile_package(
             _check_stored_weights(files[method], constants, method)
         started = time.perf_counter()
         try:
-            package_aoti(str(tmp), files)
+            # Each weight file is a torch.save zip inside the package. Its own records go without a
+            # CRC-32: the package's member that holds the file has one, which the loader verifies
+            # as it reads (runtime/weights.py), and computing the inner one too took most of the
+            # packaging time (dev CPU: torch.save at 0.27 GB/s with it, 1.57 without).
+            # torch.load reads records that have none.
+            with serialization_config.patch({"save.compute_crc32": False}):
+                package_aoti(str(tmp), files)
         except Exception as exc:
             raise ExportError(f"packaging the compiled methods failed: {exc}") from exc
         packaged = time.perf_counter() - started

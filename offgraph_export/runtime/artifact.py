@@ -293,8 +293,13 @@ def _pinned(path: Path) -> Iterator[str]:
 
 def _check_archive_version(pinned: str, names: list[str], path: Path) -> None:
     """The archive's ``archive_version`` is the one this torch writes and reads (torch's
-    ``load_pt2`` refused any other; the project's loader keeps that refusal)."""
-    from torch.export.pt2_archive.constants import ARCHIVE_VERSION_PATH, ARCHIVE_VERSION_VALUE
+    ``load_pt2`` refused any other; the project's loader keeps that refusal). The constants come
+    from torch's C++ module: ``torch.export.pt2_archive`` imports its packager and with it
+    ``torch._dynamo`` (1.7 s on the dev CPU), before a hostile archive is refused."""
+    from torch._C._export import pt2_archive_constants
+
+    ARCHIVE_VERSION_PATH, ARCHIVE_VERSION_VALUE = (  # noqa: N806 - torch's names
+        pt2_archive_constants.ARCHIVE_VERSION_PATH, pt2_archive_constants.ARCHIVE_VERSION_VALUE)
 
     entry = archive_root(names, str(path)) + ARCHIVE_VERSION_PATH
     found = None
