@@ -53,10 +53,14 @@ __all__ = [
 
 #: The stages a method's compile time is broken into, each the sum of Inductor's own timers of that
 #: name (``torch._dynamo.utils.compilation_time_metrics``; the same names in torch 2.11 and 2.13).
-#: ``lower`` includes ``autotune`` (template autotuning runs while the graph is lowered), and
-#: ``codegen`` includes ``triton_wait`` (waiting for the kernels compiled in worker processes);
-#: ``cpp`` is compiling and linking the C++ wrapper and kernels.
+#: ``inductor`` is Inductor's backend from the traced graph on (post-grad passes, then ``lower``,
+#: ``codegen`` and ``cpp``); what a method's compile spends before it is reported as ``trace``
+#: (AOTInductor tracing the program again and its graph passes). ``lower`` includes ``autotune``
+#: (template autotuning runs while the graph is lowered), and ``codegen`` includes
+#: ``triton_wait`` (waiting for the kernels compiled in worker processes); ``cpp`` is compiling
+#: and linking the C++ wrapper and kernels.
 COMPILE_STAGES: dict[str, tuple[str, ...]] = {
+    "inductor": ("compile_fx_inner",),
     "lower": ("GraphLowering.run",),
     "codegen": ("GraphLowering.codegen",),
     "cpp": ("AotCodeCompiler.compile",),
@@ -164,7 +168,7 @@ def compile_package(
     ``specs.device`` into one package at ``path`` (a ``.pt2``). ``method_seconds``, when given, gets
     each method's compile time by name as it finishes (a package's compile time is nearly all
     these; what is left is packaging), and ``progress`` is told it. ``stage_seconds``, when given,
-    gets ``"<method>_<stage>"`` for each of :data:`COMPILE_STAGES` (and ``autotune``) and
+    gets ``"<method>_<stage>"`` for each of :data:`COMPILE_STAGES` (and ``autotune``, ``trace``) and
     ``"package"``, the time writing the archive took."""
     from torch._inductor import aot_compile
     from torch._inductor.package import package_aoti
@@ -202,12 +206,14 @@ def compile_package(
                 raise ExportError(f"AOTInductor compile of method {method!r} for {specs.device} failed: {exc}") from exc
             seconds = time.perf_counter() - started
             stages = {k: v - before[k] for k, v in inductor_stage_totals().items()}
+            stages["trace"] = max(seconds - stages["inductor"], 0.0)
             if method_seconds is not None:
                 method_seconds[method] = seconds
             if stage_seconds is not None:
                 stage_seconds.update({f"{method}_{stage}": v for stage, v in stages.items()})
             progress(
-                f"compiled method {method!r} in {seconds:.1f}s (lowering {stages['lower']:.1f}s, of which autotuning "
+                f"compiled method {method!r} in {seconds:.1f}s (tracing {stages['trace']:.1f}s; lowering "
+                f"{stages['lower']:.1f}s, of which autotuning "
                 f"{stages['autotune']:.1f}s; code generation {stages['codegen']:.1f}s, of which waiting for kernels "
                 f"{stages['triton_wait']:.1f}s; C++ {stages['cpp']:.1f}s)"
             )
