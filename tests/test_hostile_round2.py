@@ -642,6 +642,29 @@ def test_torchs_loader_gets_a_link_to_the_pinned_file_not_a_copy(example_artifac
         assert not os.path.exists(os.path.dirname(name))  # the private folder went with the load
 
 
+def test_a_fresh_process_loads_and_runs_without_importing_torch_dynamo(example_artifact):
+    """The loader keeps torch's compiler stack out of a serving process: nothing of ``Artifact.load``
+    or a step imports ``torch._dynamo`` (1.1-1.7 s of a fresh process's first load on the dev CPU,
+    through ``AOTICompiledModel`` and ``torch.export.pt2_archive``). A child process, so what the
+    test session imported does not count."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from offgraph_export.runtime import Artifact\n"
+        f"artifact = Artifact.load({str(example_artifact)!r})\n"
+        "from tests.conftest import first_step_logits\n"
+        "make = lambda ids, start: (ids, torch.arange(start, start + ids.shape[-1]))\n"
+        "assert torch.isfinite(first_step_logits(artifact, make, torch.tensor([[1, 2, 3]]))).all()\n"
+        "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo'))[:3])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+
+
 def test_load_errors_name_the_path_not_the_descriptor(tmp_path):
     bad = tmp_path / "broken.pt2"
     bad.write_bytes(b"PK\x05\x06" + b"\x00" * 18)

@@ -73,8 +73,8 @@ class Artifact:
         self.single_threaded = single_threaded
         self._device = device if device is not None else _current_device(specs.device)
         self.compiled = methods[STEP_METHOD]
-        # loader.run: no pytree work per call
-        self._runs = {name: m.loader.run for name, m in methods.items()}  # type: ignore[attr-defined]
+        # the loader's run: a flat list in, a flat list out, no pytree work per call
+        self._runs = {name: m.run for name, m in methods.items()}  # type: ignore[attr-defined]
         self._pads = DECODE_METHOD not in self._runs and specs.pads_one_token
         self._checks_on: set[str] = set()  # methods whose compiled input checks are latched on
         #: seconds per stage of :meth:`load`: ``archive`` (the checks and the checksums before any
@@ -133,8 +133,8 @@ class Artifact:
         clock.stage("weights")
         for method in specs.methods:
             check_constants(weights[method], runners[method].get_metadata()[CONSTANTS_KEY], method, str(path))
-            try:
-                runners[method].load_constants(weights[method], check_full_update=True, user_managed=True)
+            try:  # (constants, use_inactive, check_full_update, user_managed): torch 2.11's and 2.13's binding alike
+                runners[method].load_constants(weights[method], False, True, True)
             except Exception as exc:  # C++ errors: a missing or mis-shaped constant
                 raise ArtifactError(f"{path}: the weights do not fit method {method!r}: {exc}") from exc
         clock.stage("constants")
@@ -171,7 +171,7 @@ class Artifact:
                 f"{path}: the inputs the archive's specs describe (dtypes, dynamic dims, ranges, "
                 f"positions, per-token outputs) disagree with the compiled {method!r} program's own"
             )
-        in_spec, _ = compiled.loader.get_call_spec()  # type: ignore[attr-defined]
+        in_spec, _ = compiled.get_call_spec()  # type: ignore[attr-defined]
         n_inputs = torch.utils._pytree.treespec_loads(in_spec).num_leaves
         batch = 0 if specs.manifest.paging is None else len(specs.manifest.paging.inputs)
         want = len(specs.inputs) + 2 * len(specs.manifest.layers) + batch
@@ -315,23 +315,23 @@ def _check_archive_version(pinned: str, names: list[str], path: Path) -> None:
 
 
 def _compiled_methods(name: str, methods: Sequence[str], single_threaded: bool, device: str, path: Path) -> dict[str, object]:
-    """Each method's compiled program, as torch's ``load_pt2`` builds it (an ``AOTICompiledModel``
-    over ``AOTIModelPackageLoader``: the loader extracts only that method's folder), without
-    ``load_pt2``'s device-information probe. For a warning when the package was built for another
+    """Each method's compiled program: torch's ``AOTIModelPackageLoader`` for it (the loader
+    extracts only that method's folder), which ``load_pt2`` wraps in an ``AOTICompiledModel`` (its
+    pytree calling convention, unused here: the runtime calls the loader's ``run`` with flat lists;
+    importing it imports ``torch._dynamo``, 1.1 s on the dev CPU), without ``load_pt2``'s
+    device-information probe. For a warning when the package was built for another
     CPU, that probe builds a test library for each CPU vector ISA and loads each one in a fresh
     Python process that imports torch: about 5 s on the dev CPU and, by session 21's measure, most
     of the 34 s the first load of every process took on the GPU machine. The one comparison that
     decides whether a cuda package can run, its compute capability, is checked here and refused by
     name; nothing else of ``load_pt2`` (its exported programs, extra files) is used."""
     try:
-        from torch._inductor.package.package import AOTICompiledModel
-
         loader = torch._C._aoti.AOTIModelPackageLoader  # type: ignore[attr-defined]
         out: dict[str, object] = {}
         for method in methods:
             if device == "cuda":
                 _check_compute_capability(loader.load_metadata_from_package(name, method), method, path)
-            out[method] = AOTICompiledModel(loader(name, method, single_threaded, 1, -1))
+            out[method] = loader(name, method, single_threaded, 1, -1)
         return out
     except ArtifactError:
         raise
@@ -347,14 +347,23 @@ def _check_compute_capability(metadata: dict[str, str], method: str, path: Path)
     recorded = metadata.get("AOTI_COMPUTE_CAPABILITY", "")
     if not recorded:
         return
-    from torch._dynamo.device_interface import get_interface_for_device
-
-    current = str(get_interface_for_device("cuda").get_compute_capability())
+    current = cuda_compute_capability()
     if not runs_on(recorded, current):
         raise ArtifactError(
             f"{path}: method {method!r} was compiled for cuda compute capability {recorded}, this device is {current}: "
             "export it again on this kind of GPU"
         )
+
+
+def cuda_compute_capability() -> str:
+    """The current cuda device's compute capability as AOTInductor records it at compile time
+    (torch's ``CudaInterface.get_compute_capability``: ``major * 10 + minor``, or the gfx name on
+    ROCm), computed here because importing that interface imports ``torch._dynamo`` (1.1 s on the
+    dev CPU, paid by every process's first load)."""
+    if torch.version.hip is None:
+        major, minor = torch.cuda.get_device_capability()
+        return str(major * 10 + minor)
+    return torch.cuda.get_device_properties().gcnArchName.split(":", 1)[0]
 
 
 def runs_on(recorded: str, current: str) -> bool:
