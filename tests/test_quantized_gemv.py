@@ -54,13 +54,18 @@ def test_interp_quantized_gemv_matches_the_float_folds_over_w_prime(n, k, norm, 
 @pytest.mark.parametrize("scheme,group", SCHEMES)
 @pytest.mark.parametrize("norm, gated, gate_first, residual", FOLDS[:3])
 def test_interp_wide_projection_configuration_matches_the_float_folds(norm, gated, gate_first, residual, scheme, group):
-    """The launch configuration the default gives wide quantized projections (gate|up, lm_head:
-    8 rows x 512 columns a program, per row or group) on a small weight, against ``W'``."""
+    """The launch configuration the default gives wide quantized projections on a small weight,
+    against ``W'``: gate|up 8 rows x 512 columns a program, per row or group; an lm_head (not gated,
+    rows up to 2048 columns) the persistent kernel, 4 rows a tile."""
     from offgraph_export.kernels.triton_gemv import _QUANT_WIDE_ROWS, _config, gemv_launch
 
     n, k = 48, 1152
     config = _config(k, gated, quantized=True, n=_QUANT_WIDE_ROWS)
-    assert (config["BLOCK_N"], config["BLOCK_K"], config["dequant"]) == (8, 512, "group")
+    if gated:
+        assert (config["kernel"], config["BLOCK_N"], config["BLOCK_K"], config["dequant"]) == ("rows", 8, 512, "group")
+    else:
+        assert (config["kernel"], config["BLOCK_N"], config["per_sm"]) == ("tiles", 4, 4)
+    assert _config(4096, gated, quantized=True, n=_QUANT_WIDE_ROWS)["kernel"] == "rows"  # the 8B lm_head: not measured
     x, w, nw, res = _fold_inputs(n, k, torch.float32, norm, gated, residual)
     stored, w_prime = _quantized(w, scheme, group)
     got = gemv_launch(x, stored.qweight, nw, 1e-5, res, gated, gate_first, config, scales=stored.scales,

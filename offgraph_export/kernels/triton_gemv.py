@@ -86,6 +86,15 @@ _TILE_MAX_K = 4096
 #: 128: int8 step 776 against 1,045 us, int4 1,228 against 1,850); 8 rows x 512 columns for the
 #: wide projections (gate|up, lm_head: int8 lm_head 110 us against 151), 4 x 1024 below K = 4096.
 _QUANT_WIDE_ROWS = 16384
+#: A wide quantized projection that is not gated (the lm_head) with rows up to this many columns
+#: takes the persistent row-tile kernel, 4 rows a tile, 4 programs per SM, 3 stages, 4 warps: it
+#: prepares x (the norm, int4's even/odd split and group sums) once a program instead of once every
+#: 8 rows. Measured on an H100 (``benchmarks/h100-2026-12-07-quantized``, torch 2.11, the 1B
+#: lm_head 128256 x 2048 with its norm): int8 115.4 -> 92.6 us, int4 (group 128) 175.3 -> 122.0 us,
+#: in the same run as the rows kernel; not measured on an H200 nor at K = 4096 (the 8B lm_head keeps
+#: the rows kernel), and the smaller projections keep theirs (mixed there: q|k|v 7-11% faster, the
+#: output projection 1-4% either way, down and gate|up slower).
+_QUANT_TILE_MAX_K = 2048
 
 
 def _config(k: int, gated: bool = False, quantized: bool = False, n: int = 0, bias: bool = False) -> dict:
@@ -94,9 +103,11 @@ def _config(k: int, gated: bool = False, quantized: bool = False, n: int = 0, bi
     (:func:`_gemv_tiles_kernel`: ``BLOCK_N``, ``per_sm`` programs, ``num_warps``, ``num_stages``).
     ``quantized``: the weight is int8/int4 (the rows kernel, dequantized per row or group);
     ``bias``: the linear adds one (the rows kernel: the tiles kernel takes one, but its launch
-    was swept without). The tiles kernel also reads quantized rows (a launch option, swept by
-    ``scripts/bench_quantized_gemv.py``; not a default until measured faster)."""
+    was swept without). The tiles kernel also reads quantized rows, per row or group (its launch
+    has no ``dequant``), the default for a wide quantized lm_head (:data:`_QUANT_TILE_MAX_K`)."""
     if quantized:
+        if n >= _QUANT_WIDE_ROWS and not gated and k <= _QUANT_TILE_MAX_K:
+            return {"kernel": "tiles", "BLOCK_N": 4, "per_sm": 4, "num_warps": 4, "num_stages": 3}
         if n >= _QUANT_WIDE_ROWS:
             return {"kernel": "rows", "BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "dequant": "group"}
         if k >= _LONG_ROWS:
