@@ -298,18 +298,17 @@ def _check_archive_version(pinned: str, names: list[str], path: Path) -> None:
     ``torch._dynamo`` (1.7 s on the dev CPU), before a hostile archive is refused."""
     from torch._C._export import pt2_archive_constants
 
-    ARCHIVE_VERSION_PATH, ARCHIVE_VERSION_VALUE = (  # noqa: N806 - torch's names
-        pt2_archive_constants.ARCHIVE_VERSION_PATH, pt2_archive_constants.ARCHIVE_VERSION_VALUE)
+    wanted = pt2_archive_constants.ARCHIVE_VERSION_VALUE
 
-    entry = archive_root(names, str(path)) + ARCHIVE_VERSION_PATH
+    entry = archive_root(names, str(path)) + pt2_archive_constants.ARCHIVE_VERSION_PATH
     found = None
     if entry in names:
         with zipfile.ZipFile(pinned) as archive:
             if archive.getinfo(entry).file_size <= 64:
                 found = archive.read(entry).decode("utf-8", errors="replace").strip()
-    if found != ARCHIVE_VERSION_VALUE:
+    if found != wanted:
         raise ArtifactError(
-            f"{path}: its archive_version is {found!r}, this torch reads {ARCHIVE_VERSION_VALUE!r}: "
+            f"{path}: its archive_version is {found!r}, this torch reads {wanted!r}: "
             "export it again with this torch"
         )
 
@@ -347,7 +346,7 @@ def _check_compute_capability(metadata: dict[str, str], method: str, path: Path)
     recorded = metadata.get("AOTI_COMPUTE_CAPABILITY", "")
     if not recorded:
         return
-    current = cuda_compute_capability()
+    current = _cuda_compute_capability()
     if not runs_on(recorded, current):
         raise ArtifactError(
             f"{path}: method {method!r} was compiled for cuda compute capability {recorded}, this device is {current}: "
@@ -355,7 +354,7 @@ def _check_compute_capability(metadata: dict[str, str], method: str, path: Path)
         )
 
 
-def cuda_compute_capability() -> str:
+def _cuda_compute_capability() -> str:
     """The current cuda device's compute capability as AOTInductor records it at compile time
     (torch's ``CudaInterface.get_compute_capability``: ``major * 10 + minor``, or the gfx name on
     ROCm), computed here because importing that interface imports ``torch._dynamo`` (1.1 s on the
