@@ -59,10 +59,11 @@ PY
   say "pytest rc $?: $(tail -1 "$OUT/pytest_cuda.log")"
   # a fresh process's first load of the single-session package, torch's load_pt2 against ours
   # (scripts/load_probe.py), while the call has time left
+  single=/tmp/offgraph_batch_bench/single.pt2
   for which in torch ours; do
     left=$((560 - (SECONDS - START)))
-    [ -f /tmp/offgraph_batch_bench/single.pt2 ] && [ $left -gt 20 ] || break
-    timeout $left python3 scripts/load_probe.py /tmp/offgraph_batch_bench/single.pt2 $which 2>>"$OUT/probe.err" | tee -a "$OUT/summary.txt"
+    [ -f "$single" ] && [ $left -gt 20 ] || break
+    timeout $left python3 scripts/load_probe.py "$single" $which 2>>"$OUT/probe.err" | tee -a "$OUT/summary.txt"
   done
   tail -20 "$OUT/build_call.log" >> "$OUT/summary.txt"
   tar czf "$OUT/build.tgz" -C /tmp/batch_round build 2>/dev/null

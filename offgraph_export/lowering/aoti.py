@@ -47,7 +47,6 @@ __all__ = [
     "inductor_configs",
     "autotuned",
     "program_constants",
-    "inductor_stage_totals",
     "COMPILE_STAGES",
 ]
 
@@ -69,7 +68,7 @@ COMPILE_STAGES: dict[str, tuple[str, ...]] = {
 _AUTOTUNE_TIMER_SUFFIX = "_template_autotuning"
 
 
-def inductor_stage_totals() -> dict[str, float]:
+def _inductor_stage_totals() -> dict[str, float]:
     """Inductor's cumulative seconds per :data:`COMPILE_STAGES` stage (and ``autotune``) in this
     process so far; the difference of two readings is what happened between them."""
     from torch._dynamo import utils as dynamo_utils
@@ -196,7 +195,7 @@ def compile_package(
             progress(f"compiling method {method!r} for {specs.device}{tuned}")
             args, kwargs = ep.example_inputs
             constants = describe_constants(program_constants(ep))
-            started, before = time.perf_counter(), inductor_stage_totals()
+            started, before = time.perf_counter(), _inductor_stage_totals()
             try:
                 with fresh_int_array_names():
                     files[method] = aot_compile(
@@ -205,7 +204,7 @@ def compile_package(
             except Exception as exc:  # inductor raises many types; keep the cause chained
                 raise ExportError(f"AOTInductor compile of method {method!r} for {specs.device} failed: {exc}") from exc
             seconds = time.perf_counter() - started
-            stages = {k: v - before[k] for k, v in inductor_stage_totals().items()}
+            stages = {k: v - before[k] for k, v in _inductor_stage_totals().items()}
             stages["trace"] = max(seconds - stages["inductor"], 0.0)
             if method_seconds is not None:
                 method_seconds[method] = seconds

@@ -299,7 +299,6 @@ def _check_archive_version(pinned: str, names: list[str], path: Path) -> None:
     from torch._C._export import pt2_archive_constants
 
     wanted = pt2_archive_constants.ARCHIVE_VERSION_VALUE
-
     entry = archive_root(names, str(path)) + pt2_archive_constants.ARCHIVE_VERSION_PATH
     found = None
     if entry in names:
