@@ -197,6 +197,7 @@ def run_passes(
     stored: Mapping[str, QuantizedTensors] | None = None,
     quantize_others: bool = True,
     quantize_lm_head: str | None = None,
+    lowering_traces: bool = False,
 ) -> StrippedProgram:
     """validate -> record step width -> record positions -> bound table indices -> fuse
     projections (``fuse``) -> quantize weights (``quantize``: ``int8`` or ``int4`` with
@@ -209,6 +210,10 @@ def run_passes(
     ``stored``: weights quantized already (a torchao model's, by model parameter name), stored as
     they are by the quantize pass; ``quantize_others``: whether it quantizes the other linears too;
     ``quantize_lm_head``: the lm_head's own scheme (``int8``, ``int4``, ``none``), None for ``quantize``'s.
+    ``lowering_traces``: the programs go to AOTInductor, whose own trace functionalizes them and
+    decomposes the triton step, so ``functionalize`` decomposes only what it would call by name
+    (``passes/functionalize.py``); False (an ExecuTorch lowering, or a caller's own use of the
+    programs) leaves every program functional and decomposed.
 
     ``step_impl``: ``portable``, ``triton``, or a callable with the signature of
     ``portable_update_and_attend`` (recorded in the specs by its ``__name__``). Each pass's time
@@ -223,6 +228,9 @@ def run_passes(
         seconds[name] = time.perf_counter() - t0
         progress(f"  pass {name}: {seconds[name]:.1f}s")
         return results[name]
+
+    def functional(p: ExportedProgram) -> PassResult[None]:
+        return functionalize(p, lowering_traces)
 
     steps: list[tuple[str, Callable[[ExportedProgram], PassResult[Any]]]] = [
         ("validate_kv_sites", validate_kv_sites),
@@ -239,7 +247,7 @@ def run_passes(
             "strip_kv_cache",
             lambda p: strip_kv_cache(p, results["build_manifest"].produced, example_inputs, step_impl),
         ),
-        ("functionalize", functionalize),
+        ("functionalize", functional),
     ]
     program = ep
     for name, run in steps:
@@ -255,7 +263,7 @@ def run_passes(
             decode_program = timed("decode_gemv", lambda: decode_gemv_pass(decode_program)).program
         if decode_rope:
             decode_program = timed("decode_rope", lambda: decode_rope_pass(decode_program)).program
-        decode = timed("functionalize_decode", lambda: functionalize(decode_program)).program
+        decode = timed("functionalize_decode", lambda: functional(decode_program)).program
     sessions = None
     if decode_sessions:
         if results["build_manifest"].produced.paging is None:
@@ -263,7 +271,7 @@ def run_passes(
         stripped = results["strip_kv_cache"].program
         retraced = timed("retrace_sessions", lambda: specialize_width(stripped, results["record_step_width"].produced, width=None))
         rewritten = timed("decode_sessions", lambda: decode_sessions_pass(retraced.program))
-        sessions = timed("functionalize_sessions", lambda: functionalize(rewritten.program)).program
+        sessions = timed("functionalize_sessions", lambda: functional(rewritten.program)).program
     return StrippedProgram(
         exported=ep,
         stripped=program,
@@ -385,7 +393,7 @@ def export_and_lower(
         decode_method=resolved.decode_method, decode_gemv=resolved.decode_gemv, decode_rope=resolved.decode_rope,
         decode_sessions=resolved.decode_sessions, quantize=quantize, group_size=group_size,
         progress=progress, stored=torchao.stored if torchao is not None else None, quantize_others=quantize_others,
-        quantize_lm_head=resolved.quantize_lm_head,
+        quantize_lm_head=resolved.quantize_lm_head, lowering_traces=resolved.format == "pt2",
     )
     timings["passes_s"] = time.perf_counter() - t0
     timings.update({f"pass_{name}_s": seconds for name, seconds in program.pass_seconds.items()})
