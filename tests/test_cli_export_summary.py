@@ -22,9 +22,10 @@ def test_export_json_gives_the_path_the_size_and_every_stage_time(example_export
     # generation and the C++ compile each took time on the cpu, and they fit in the method's time
     for method in summary["methods"]:
         stage = {name: summary[f"compile_{method}_{name}_s"]
-                 for name in ("trace", "inductor", "lower", "autotune", "codegen", "triton_wait", "cpp")}
+                 for name in ("trace", "inductor", "lower", "autotune", "codegen", "triton_wait", "cpp", "cpp_header")}
         assert all(stage[name] > 0 for name in ("trace", "inductor", "lower", "codegen", "cpp")), stage
         assert stage["autotune"] <= stage["lower"] and stage["triton_wait"] <= stage["codegen"], stage
+        assert 0 <= stage["cpp_header"] <= stage["cpp"], stage
         assert stage["lower"] + stage["codegen"] + stage["cpp"] <= stage["inductor"], stage
         assert abs(stage["trace"] + stage["inductor"] - summary[f"compile_{method}_s"]) < 0.01, (stage, summary)
     assert summary["compile_package_s"] > 0
@@ -48,6 +49,6 @@ def test_export_says_each_stage_time_as_it_finishes(example_export):
     assert [re.sub(r"\d+\.\ds", "Xs", line) for line in finished] == [
         "built in Xs", "exported in Xs", "passes done in Xs",
         "compiled method 'model' in Xs (tracing Xs; lowering Xs, of which autotuning Xs; code generation Xs, of which "
-        "waiting for kernels Xs; C++ Xs)",
+        "waiting for kernels Xs; C++ Xs, of which the precompiled header Xs)",
         "packaged the weights and methods in Xs", "compiled in Xs",
     ], proc.stderr

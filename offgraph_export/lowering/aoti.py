@@ -57,12 +57,15 @@ __all__ = [
 #: (AOTInductor tracing the program again and its graph passes). ``lower`` includes ``autotune``
 #: (template autotuning runs while the graph is lowered), and ``codegen`` includes
 #: ``triton_wait`` (waiting for the kernels compiled in worker processes); ``cpp`` is compiling
-#: and linking the C++ wrapper and kernels.
+#: and linking the C++ wrapper and kernels, within which ``cpp_header`` is building the
+#: precompiled header of AOTInductor's C++ runtime (once per machine and compiler flags: a fresh
+#: GPU machine pays it in the first method it compiles).
 COMPILE_STAGES: dict[str, tuple[str, ...]] = {
     "inductor": ("compile_fx_inner",),
     "lower": ("GraphLowering.run",),
     "codegen": ("GraphLowering.codegen",),
     "cpp": ("AotCodeCompiler.compile",),
+    "cpp_header": ("aoti_precompile_header",),
     "triton_wait": ("async_compile.wait",),
 }
 _AUTOTUNE_TIMER_SUFFIX = "_template_autotuning"
@@ -214,7 +217,8 @@ def compile_package(
                 f"compiled method {method!r} in {seconds:.1f}s (tracing {stages['trace']:.1f}s; lowering "
                 f"{stages['lower']:.1f}s, of which autotuning "
                 f"{stages['autotune']:.1f}s; code generation {stages['codegen']:.1f}s, of which waiting for kernels "
-                f"{stages['triton_wait']:.1f}s; C++ {stages['cpp']:.1f}s)"
+                f"{stages['triton_wait']:.1f}s; C++ {stages['cpp']:.1f}s, of which the precompiled header "
+                f"{stages['cpp_header']:.1f}s)"
             )
             _check_stored_weights(files[method], constants, method)
         started = time.perf_counter()
