@@ -5,9 +5,10 @@
 #       default launch settings, pages of 16 and 64, B = 1, 16, 64 at 1k and 8k history), then
 #       benchmarks/run_batch.sh's build phase with the page size the probe picked (64 only where
 #       it is >= 3% faster at B = 16 and B = 64 at 1k history; recorded in /tmp/page_size), beside
-#       the CUDA tests of the attention kernels (CUDA_TESTS names others; PAGE_SIZE=N skips the probe);
-#   scripts/gpu_batch_round.sh measure OUT_DIR   the measure phase with the same options, then
-#       everything packed into OUT_DIR/bres.tgz (the device tool returns at most 8 files).
+#       the CUDA tests of the attention kernels and the few-row GEMM (CUDA_TESTS names others; PAGE_SIZE=N skips the probe);
+#   scripts/gpu_batch_round.sh measure OUT_DIR   the measure phase with the same options, then the
+#       few-row GEMM's sweep (scripts/bench_skinny_gemm.py) in the time left, then everything
+#       packed into OUT_DIR/bres.tgz (the device tool returns at most 8 files).
 # About 6-7 minutes (then the first-load probe, torch's loader against ours, as time allows), then about 9.
 set -uo pipefail
 PHASE=${1:?usage: scripts/gpu_batch_round.sh build|measure OUT_DIR}
@@ -48,7 +49,7 @@ PY
   echo "${PS:-16}" > /tmp/page_size
   say "page size for the build: $(cat /tmp/page_size)"
   fi
-  timeout -k 5 540 python3 -m pytest -q -m cuda ${CUDA_TESTS:-tests/test_paged_attend.py tests/test_triton_attend.py} -p no:cacheprovider \
+  timeout -k 5 540 python3 -m pytest -q -m cuda ${CUDA_TESTS:-tests/test_paged_attend.py tests/test_triton_attend.py tests/test_skinny_gemm.py} -p no:cacheprovider \
     > "$OUT/pytest_cuda.log" 2>&1 &
   tests=$!
   BENCH_PHASE=build benchmarks/run_batch.sh /tmp/batch_round/build "${OPTS[@]}" --page-size "$(cat /tmp/page_size)" \
@@ -77,6 +78,14 @@ measure)
   status=$?
   say "measure rc $status"
   tail -30 "$OUT/measure_call.log" >> "$OUT/summary.txt"
+  # the few-row GEMM's sweep (scripts/bench_skinny_gemm.py) in the time the call has left
+  left=$((570 - (SECONDS - START)))
+  if [ $left -gt 90 ]; then
+    timeout $left python3 scripts/bench_skinny_gemm.py --out /tmp/batch_round/measure/skinny.json \
+      > /tmp/batch_round/measure/skinny.log 2>&1
+    say "skinny GEMM sweep rc $? ($left s allowed)"
+    grep "step us per M" /tmp/batch_round/measure/skinny.log | tee -a "$OUT/summary.txt"
+  fi
   cp /tmp/batch_round/build/*.json /tmp/batch_round/measure/ 2>/dev/null
   tar czf "$OUT/bres.tgz" -C /tmp/batch_round measure
   exit $status

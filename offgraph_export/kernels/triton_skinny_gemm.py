@@ -1,0 +1,105 @@
+"""Triton GEMM for a few rows (``M <= 16``: the sessions method's decode tokens of a batched step,
+or one token): ``out = x @ w.T`` for ``x [M, K]`` and a row-major weight ``w [N, K]`` (bf16/fp16,
+int8 with a scale per row, or int4 two a byte with a scale and zero per group), the products on
+the tensor cores.
+
+Why: at ``2 <= M <= 16`` the batched step's projections are cuBLAS GEMMs (H100, 2026-12-07:
+gate|up, down, q|k|v and lm_head at M = 16 read the 1B model's weights at 77% of the copy rate,
+64% of the step's kernel time), while at ``M = 1`` the GEMV kernels of ``triton_gemv.py`` reach
+85-100%. Their arithmetic is per value on the CUDA cores, which holds at one row but grows with
+``M``; here a program holds ``BLOCK_N`` weight rows of a ``BLOCK_K`` chunk, dequantizes them in
+registers (int8: the integer, exact in bf16, the row's scale applied to the sum; int4: each value
+as the reference rule's ``W'``, ``(q - 8) s + z`` in fp32 rounded to the dtype) and multiplies
+the chunk of all ``M`` rows of ``x`` (padded to 16) by it with ``tl.dot``: the weight is read once
+whatever ``M``, and the per-value work is the dequantization alone.
+
+A launch option for measurement only (``scripts/bench_skinny_gemm.py`` sweeps it against cuBLAS
+and tinygemm at the 1B shapes and M = 1-16); no pass emits it and no package contains it until
+an H200 run says where it beats what the steps use now. Products are accumulated in fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from offgraph_export.kernels.triton_base import tl, triton
+
+__all__ = ["MAX_ROWS", "SKINNY_CONFIGS", "skinny_gemm"]
+
+#: rows of ``x`` a launch takes (tl.dot's smallest M tile)
+MAX_ROWS = 16
+#: launches the sweep tries: (BLOCK_N, BLOCK_K, num_warps, num_stages)
+SKINNY_CONFIGS = [(16, 256, 4, 3), (32, 256, 4, 3), (64, 128, 4, 4), (32, 512, 4, 2), (64, 256, 8, 3), (128, 128, 8, 3)]
+
+
+@triton.jit
+def _skinny_gemm_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_om,
+    QUANT: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Program p: output columns ``[p * BLOCK_N, (p + 1) * BLOCK_N)`` of all ``M`` rows. QUANT 0
+    (float weight), 8 (int8, ``s`` per row) or 4 (int4 ``[N, K / 2]``, the low nibble the even
+    column, ``s`` and ``z`` per ``GROUP`` columns). PRECISION: ``tl.dot``'s input precision
+    (``ieee`` for fp32 operands, which would otherwise be rounded to tf32)."""
+    pid = tl.program_id(0)
+    dt = out_ptr.dtype.element_ty
+    m = tl.arange(0, 16)
+    m_ok = m < M
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    w_rows = rows.to(tl.int64) * stride_wn
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        col_ok = cols < K
+        x = tl.load(x_ptr + m[:, None] * stride_xm + cols[None, :], mask=m_ok[:, None] & col_ok[None, :], other=0.0)
+        if QUANT == 4:
+            half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            ok = row_ok[:, None] & (2 * half < K)[None, :]
+            b = tl.load(w_ptr + w_rows[:, None] + half[None, :], mask=ok, other=0)
+            q = tl.interleave(b & 15, b >> 4).to(tl.float32)
+            g = rows.to(tl.int64)[:, None] * stride_sn + (cols // GROUP)[None, :]
+            wok = row_ok[:, None] & col_ok[None, :]
+            s = tl.load(s_ptr + g, mask=wok, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g, mask=wok, other=0.0).to(tl.float32)
+            w = ((q - 8.0) * s + z).to(dt)
+        else:
+            w = tl.load(w_ptr + w_rows[:, None] + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0)
+            w = w.to(dt)
+        acc = tl.dot(x.to(dt), tl.trans(w), acc, input_precision=PRECISION)
+    if QUANT == 8:
+        acc = acc * tl.load(s_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + m[:, None] * stride_om + rows[None, :], acc.to(dt), mask=m_ok[:, None] & row_ok[None, :])
+
+
+def skinny_gemm(x: torch.Tensor, w: torch.Tensor, scales: Optional[torch.Tensor] = None,
+                zeros: Optional[torch.Tensor] = None, group_size: int = 0,
+                config: tuple[int, int, int, int] = SKINNY_CONFIGS[1]) -> torch.Tensor:
+    """``x [M, K] @ W'.T`` in ``x``'s dtype for ``M <= 16``: ``w`` float ``[N, K]``, or quantized as
+    ``triton_gemv.gemv_launch`` takes it (int8 ``[N, K]`` with ``scales [N]``; int4 uint8
+    ``[N, K / 2]`` with ``scales``/``zeros`` ``[N, K / group_size]``). ``config``: (BLOCK_N,
+    BLOCK_K, num_warps, num_stages), one of :data:`SKINNY_CONFIGS` or another."""
+    quant = 0 if scales is None else (4 if zeros is not None else 8)
+    m, k = x.shape
+    n = int(w.shape[0])
+    if m > MAX_ROWS:
+        raise ValueError(f"the skinny GEMM takes at most {MAX_ROWS} rows, not {m}")
+    if w.shape[1] * (2 if quant == 4 else 1) != k or w.stride(1) != 1:
+        raise ValueError(f"a row-major weight of {k} columns is expected, got {tuple(w.shape)}")
+    block_n, block_k, warps, stages = config
+    if quant == 4 and (group_size <= 0 or k % group_size or block_k % 2):
+        raise ValueError(f"group size {group_size} must divide {k}, and BLOCK_K {block_k} hold whole bytes")
+    x = x.contiguous()
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    s = scales.contiguous() if scales is not None else x
+    z = zeros.contiguous() if zeros is not None else s
+    stride_sn = (k // group_size) if quant == 4 else 1
+    _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
+        x, w, s, z, out, m, n, k, x.stride(0), w.stride(0), stride_sn, out.stride(0),
+        QUANT=quant, GROUP=max(group_size, 1), BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps,
+    )
+    return out
