@@ -47,6 +47,21 @@ def time_ms(fn, iters: int) -> float:
     return statistics.median(times)
 
 
+def replay_us(fn, calls: int, reps: int = 25) -> float:
+    """Median replay of ``fn`` captured in a CUDA graph, per call, in us."""
+    return time_ms(fn, reps) * 1e3 / calls
+
+
+def copy_rate() -> float:
+    """The card's device copy rate, (read + written bytes) / median time of a 1 GiB copy, in bytes/s.
+    In bf16, as ``benchmarks/decode_bench.py`` measures it: a uint8 copy is not vectorized as widely
+    and read 2.43 TB/s where bf16 read 2.99 on the same H100 (2026-12-07)."""
+    a = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty_like(a)
+    us = replay_us(lambda: b.copy_(a), 1)
+    return 2 * a.numel() * a.element_size() / (us * 1e-6)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--capacity", type=int, default=32768)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from bench_attention import time_ms  # scripts/, the script's own folder
+from bench_attention import copy_rate, replay_us  # scripts/, the script's own folder
 
 from offgraph_export.kernels import triton_gemv as tg
 from offgraph_export.reference.weight_quant import quantize
@@ -48,18 +48,6 @@ CONFIGS = [(1, 1024, 4), (2, 1024, 4), (4, 1024, 4), (2, 2048, 4), (4, 2048, 8),
 TILE_CONFIGS = [(1, 4, 4, 3), (2, 4, 4, 3), (4, 4, 4, 3), (4, 2, 8, 3), (8, 2, 8, 2), (8, 4, 8, 2)]
 TILES_MAX_K = 8192
 GROUP = 128
-
-
-def replay_us(fn, calls: int, reps: int = 25) -> float:
-    """Median replay of ``fn`` captured in a CUDA graph, per call, in us."""
-    return time_ms(fn, reps) * 1e3 / calls
-
-
-def copy_rate() -> float:
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    us = replay_us(lambda: b.copy_(a), 1)
-    return 2 * a.numel() / (us * 1e-6)
 
 
 VARIANTS = {  # step variant: the weights it reads

@@ -10,8 +10,8 @@ skinny GEMM's launches (:data:`SKINNY_CONFIGS`) over bf16, int8 and int4 g128. A
 (16 layers of each projection plus the lm_head) per M, for cuBLAS bf16 and the skinny GEMM's
 fastest launch per projection, with % of the weights' floor at the measured copy rate.
 
-    python scripts/bench_skinny_gemm.py --out skinny.json        # measures (about 2-3 minutes), report.md beside it
-    python scripts/bench_skinny_gemm.py --report skinny.json     # report.md from a recorded run
+    python scripts/bench_skinny_gemm.py --out skinny.json        # measures (about 2-3 minutes), its .md beside it (skinny.md)
+    python scripts/bench_skinny_gemm.py --report skinny.json     # skinny.md from a recorded run
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from bench_attention import time_ms  # scripts/, the script's own folder
+from bench_attention import copy_rate, replay_us  # scripts/, the script's own folder
 
 from offgraph_export.kernels import triton_gemv as tg
 from offgraph_export.kernels.triton_skinny_gemm import SKINNY_CONFIGS, skinny_gemm
@@ -41,18 +41,6 @@ SHAPES = {  # name: (N, K, copies)
     "lm_head": (128256, 2048, 4),
 }
 SCHEMES = ("bf16", "int8", "int4")
-
-
-def replay_us(fn, calls: int, reps: int = 25) -> float:
-    """Median replay of ``fn`` captured in a CUDA graph, per call, in us."""
-    return time_ms(fn, reps) * 1e3 / calls
-
-
-def copy_rate() -> float:
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    us = replay_us(lambda: b.copy_(a), 1)
-    return 2 * a.numel() / (us * 1e-6)
 
 
 def _name(config: tuple[int, int, int, int]) -> str:
@@ -144,13 +132,13 @@ def report(data: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", help="measure on the GPU and write the JSON here (report.md beside it)")
-    parser.add_argument("--report", help="only render report.md beside this recorded JSON")
+    parser.add_argument("--out", help="measure on the GPU and write the JSON here (its .md beside it (skinny.md))")
+    parser.add_argument("--report", help="only render the report (.md) beside this recorded JSON")
     parser.add_argument("--shapes", nargs="*", choices=sorted(SHAPES), help="a subset of the shapes (default: all)")
     args = parser.parse_args()
     if args.report:
         data = json.loads(Path(args.report).read_text())
-        Path(args.report).with_name("report.md").write_text(report(data))
+        Path(args.report).with_suffix(".md").write_text(report(data))
         return
     if not args.out:
         parser.error("give --out (measure) or --report (render a recorded run)")
@@ -168,7 +156,7 @@ def main() -> None:
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bytes_per_s": rate,
            "rows": rows, "step_us": step, "weight_bytes": weights, "seconds": time.time() - started}
     Path(args.out).write_text(json.dumps(out, indent=2))
-    Path(args.out).with_name("report.md").write_text(report(out))
+    Path(args.out).with_suffix(".md").write_text(report(out))
     print("step us per M:", {m: {k: round(v, 1) for k, v in s.items()} for m, s in step.items()}, flush=True)
 
 
