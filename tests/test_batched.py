@@ -272,6 +272,37 @@ def test_padded_steps_give_each_session_its_own_outputs(loaded_batched, example_
     assert runner.metrics().padded_tokens == 9 and runner.length(a) == 5 and runner.length(b) == 4
 
 
+def test_step_inputs_are_aligned_disjoint_regions_of_one_staging_buffer(loaded_batched):
+    """Every width's token, slot and row inputs and the sessions' lengths are views of the one
+    device staging buffer that a step copies whole: 16-byte aligned (compiled kernels assume it),
+    no two overlapping, and after a step the device buffer holds what the host filled."""
+    from offgraph_export.runtime.batched import BatchedRunner
+    from offgraph_export.specs.manifest import BATCH_INPUTS
+
+    runner = BatchedRunner(loaded_batched)
+    staged = runner._dev_staged
+    lo, hi = staged.data_ptr(), staged.data_ptr() + staged.numel()
+    names = ["tokens", "positions", *BATCH_INPUTS]
+    for width in range(1, loaded_batched.specs.manifest.max_write + 1):
+        model_inputs = runner._inputs(width)
+        n_model = len(model_inputs) - len(runner.storage) - len(BATCH_INPUTS)
+        views = dict(zip(names, [*model_inputs[:n_model], *model_inputs[-len(BATCH_INPUTS):]]))
+        spans = []
+        for name, view in views.items():
+            assert view.data_ptr() % 16 == 0, (width, name)
+            if name == "page_table":
+                continue  # its own buffer: only the rows that changed are copied
+            end = view.data_ptr() + view.numel() * view.element_size()
+            assert lo <= view.data_ptr() and end <= hi, (width, name)
+            spans.append((view.data_ptr(), end, name))
+        spans.sort()
+        for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+            assert end <= start, (width, a, b)
+    sid = runner.open()
+    runner.step({sid: [3, 4, 5]})
+    assert torch.equal(staged.cpu(), runner._host_staged)
+
+
 def test_a_one_token_step_goes_in_at_the_width_the_program_was_compiled_from(loaded_batched, example_bundle):
     """Without a decode method the general program (compiled for 2 or more tokens, design section
     4.3) takes a step of one token beside one scratch token: one padding token per such step,
