@@ -5,11 +5,14 @@
 #   scripts/gpu_8b.sh measure OUT_DIR   # check against transformers (CUDA graphs, then ordinary launches),
 #                                       # load time (and its profile), decode at 1k/16k
 #   scripts/gpu_8b.sh contender OUT_DIR # the gpt-fast-style contender (benchmarks/gptfast.py), bf16 then int4
+#   scripts/gpu_8b.sh build-measure OUT_DIR  # one call, for when the machine may not stay for a second:
+#                                       # build (about 280-340 s on an H100), the decode measurement with
+#                                       # the load's profile, then check with CUDA graphs in the time left
 # CONFIG (default benchmarks/configs/llama-3.1-8b; random bf16 weights from the config),
 # ART (default /tmp/offgraph_8b), BUILD_BUDGET_S (default 570), MAX_CAPACITY (default 16896).
 set -uo pipefail
-PHASE=${1:?usage: scripts/gpu_8b.sh build|measure|contender OUT_DIR}
-OUT=${2:?usage: scripts/gpu_8b.sh build|measure|contender OUT_DIR}
+PHASE=${1:?usage: scripts/gpu_8b.sh build|measure|contender|build-measure OUT_DIR}
+OUT=${2:?usage: scripts/gpu_8b.sh build|measure|contender|build-measure OUT_DIR}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
@@ -63,5 +66,23 @@ contender)
   done
   exit $status
   ;;
-*) echo "phase must be build, measure or contender, not '$PHASE'"; exit 2 ;;
+build-measure)
+  BUILD_BUDGET_S=${BUILD_BUDGET_S:-420} bash "$0" build "$OUT" || exit $?
+  left=$((565 - SECONDS))
+  [ $left -gt 60 ] || { echo "no time left to measure (${SECONDS}s)" | tee -a "$OUT/summary.txt"; exit 1; }
+  timeout -k 10 $((left > 170 ? 170 : left)) $B measure --config "$CONFIG" --out "$OUT" --artifacts "$ART" \
+    --history 1024 16384 --steps 50 --max-capacity "${MAX_CAPACITY:-16896}" --profile-load > "$OUT/measure.log" 2>&1
+  rc=$?; [ $rc = 0 ] || status=1
+  echo "measure rc $rc (${SECONDS}s)" | tee -a "$OUT/summary.txt"
+  grep -E "loaded in|history" "$OUT/measure.log" >> "$OUT/summary.txt"
+  left=$((575 - SECONDS))
+  if [ $left -gt 45 ]; then
+    timeout -k 10 $left python3 -m offgraph_export check "$ART/offgraph.pt2" --model "hf:$CONFIG" \
+      --steps 6 --cuda-graphs > "$OUT/check_graphs.txt" 2>&1
+    rc=$?; [ $rc = 0 ] || status=1
+    echo "check (graphs) rc $rc (${SECONDS}s): $(sed -n 2p "$OUT/check_graphs.txt")" | tee -a "$OUT/summary.txt"
+  fi
+  exit $status
+  ;;
+*) echo "phase must be build, measure, contender or build-measure, not '$PHASE'"; exit 2 ;;
 esac
