@@ -22,6 +22,22 @@ ART=${ART:-/tmp/offgraph_8b}
 mkdir -p "$ART"
 B="python3 benchmarks/decode_bench.py"
 status=0
+# check BUDGET_S NAME [--cuda-graphs]: check against transformers into OUT/check_NAME.txt
+check() {
+  local budget=$1 name=$2; shift 2
+  timeout -k 10 "$budget" python3 -m offgraph_export check "$ART/offgraph.pt2" --model "hf:$CONFIG" \
+    --steps 6 "$@" > "$OUT/check_$name.txt" 2>&1
+  local rc=$?; [ $rc = 0 ] || status=1
+  echo "check ($name) rc $rc (${SECONDS}s): $(sed -n 2p "$OUT/check_$name.txt")" | tee -a "$OUT/summary.txt"
+}
+# decode BUDGET_S: the load (with its profile) and decode at 1k/16k into OUT/measure.log
+decode() {
+  timeout -k 10 "$1" $B measure --config "$CONFIG" --out "$OUT" --artifacts "$ART" \
+    --history 1024 16384 --steps 50 --max-capacity "${MAX_CAPACITY:-16896}" --profile-load > "$OUT/measure.log" 2>&1
+  local rc=$?; [ $rc = 0 ] || status=1
+  echo "measure rc $rc (${SECONDS}s)" | tee -a "$OUT/summary.txt"
+  grep -E "loaded in|history" "$OUT/measure.log" >> "$OUT/summary.txt"
+}
 case "$PHASE" in
 build)
   nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/summary.txt"
@@ -40,19 +56,9 @@ measure)
   [ -f "$ART/offgraph.pt2" ] || { echo "no $ART/offgraph.pt2: run the build phase first on the same warm machine"; exit 2; }
   cp "$ART/offgraph_build.json" "$OUT/" 2>/dev/null
   # budgets fit one 10-minute call: check with CUDA graphs, the decode measurement, check with ordinary launches
-  timeout -k 10 "${CHECK_BUDGET_S:-230}" python3 -m offgraph_export check "$ART/offgraph.pt2" --model "hf:$CONFIG" \
-    --steps 6 --cuda-graphs > "$OUT/check_graphs.txt" 2>&1
-  rc=$?; [ $rc = 0 ] || status=1
-  echo "check (graphs) rc $rc (${SECONDS}s): $(sed -n 2p "$OUT/check_graphs.txt")" | tee -a "$OUT/summary.txt"
-  timeout -k 10 "${MEASURE_BUDGET_S:-160}" $B measure --config "$CONFIG" --out "$OUT" --artifacts "$ART" \
-    --history 1024 16384 --steps 50 --max-capacity "${MAX_CAPACITY:-16896}" --profile-load > "$OUT/measure.log" 2>&1
-  rc=$?; [ $rc = 0 ] || status=1
-  echo "measure rc $rc (${SECONDS}s)" | tee -a "$OUT/summary.txt"
-  grep -E "loaded in|history" "$OUT/measure.log" >> "$OUT/summary.txt"
-  timeout -k 10 "${CHECK_ORDINARY_BUDGET_S:-180}" python3 -m offgraph_export check "$ART/offgraph.pt2" --model "hf:$CONFIG" \
-    --steps 6 > "$OUT/check_ordinary.txt" 2>&1
-  rc=$?; [ $rc = 0 ] || status=1
-  echo "check (ordinary) rc $rc (${SECONDS}s): $(sed -n 2p "$OUT/check_ordinary.txt")" | tee -a "$OUT/summary.txt"
+  check "${CHECK_BUDGET_S:-230}" graphs --cuda-graphs
+  decode "${MEASURE_BUDGET_S:-160}"
+  check "${CHECK_ORDINARY_BUDGET_S:-180}" ordinary
   exit $status
   ;;
 contender)
@@ -70,18 +76,9 @@ build-measure)
   BUILD_BUDGET_S=${BUILD_BUDGET_S:-420} bash "$0" build "$OUT" || exit $?
   left=$((565 - SECONDS))
   [ $left -gt 60 ] || { echo "no time left to measure (${SECONDS}s)" | tee -a "$OUT/summary.txt"; exit 1; }
-  timeout -k 10 $((left > 170 ? 170 : left)) $B measure --config "$CONFIG" --out "$OUT" --artifacts "$ART" \
-    --history 1024 16384 --steps 50 --max-capacity "${MAX_CAPACITY:-16896}" --profile-load > "$OUT/measure.log" 2>&1
-  rc=$?; [ $rc = 0 ] || status=1
-  echo "measure rc $rc (${SECONDS}s)" | tee -a "$OUT/summary.txt"
-  grep -E "loaded in|history" "$OUT/measure.log" >> "$OUT/summary.txt"
+  decode $((left > 170 ? 170 : left))
   left=$((575 - SECONDS))
-  if [ $left -gt 45 ]; then
-    timeout -k 10 $left python3 -m offgraph_export check "$ART/offgraph.pt2" --model "hf:$CONFIG" \
-      --steps 6 --cuda-graphs > "$OUT/check_graphs.txt" 2>&1
-    rc=$?; [ $rc = 0 ] || status=1
-    echo "check (graphs) rc $rc (${SECONDS}s): $(sed -n 2p "$OUT/check_graphs.txt")" | tee -a "$OUT/summary.txt"
-  fi
+  [ $left -gt 45 ] && check $left graphs --cuda-graphs
   exit $status
   ;;
 *) echo "phase must be build, measure, contender or build-measure, not '$PHASE'"; exit 2 ;;
