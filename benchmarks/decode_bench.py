@@ -7,8 +7,11 @@ bf16 weights from seed 0, batch 1):
 * ``offgraph``: ``offgraph-export export hf:CONFIG`` for cuda with the defaults (decode method,
   max-autotune on it, GEMV projections with their folds, rotary fold), run by the bundled runtime,
   ordinary launches and CUDA-graph decode; ``offgraph-gemv`` (``--no-decode-rope``) and
-  ``offgraph-unfused`` (``--no-decode-gemv --no-decode-rope``) take folds away (``VARIANTS``).
-  Their CUDA-graph rows also time the captured graph replayed alone (``replay_ms``).
+  ``offgraph-unfused`` (``--no-decode-gemv --no-decode-rope``) take folds away (``VARIANTS``);
+  ``offgraph-int8`` and ``offgraph-int4`` (``--quantize int8``, ``--quantize int4 --group-size
+  128``) store every linear quantized, and their floor counts the stored bytes
+  (:func:`quantized_weight_bytes`). Their CUDA-graph rows also time the captured graph replayed
+  alone (``replay_ms``).
 * ``hf-aoti``: transformers' static cache (``TorchExportableModuleWithStaticCache``), exported
   with one token per step and compiled by AOTInductor, ordinary launches and replayed as a CUDA
   graph. Its cache holds ``--max-cache-len`` rows and every step attends over all of them.
@@ -237,6 +240,21 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def quantized_weight_bytes(model: torch.nn.Module, scheme: str, group: int | None) -> int:
+    """What :func:`weight_bytes` counts when every linear (the lm_head included) is stored as
+    ``scheme`` (design section 11): int8 ``[N, K]`` and ``N`` scales; int4 ``[N, K / 2]`` and
+    ``N x K / group`` scales and zeros, both in the model's dtype; biases and every other weight
+    as they are (the input embedding table, one row a token, left out)."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    quantized = {id(m.weight) for m in linears}
+    table = model.get_input_embeddings().weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in quantized and p is not table)
+    for m in linears:
+        (n, k), size = m.weight.shape, m.weight.element_size()
+        total += n * k + n * size if scheme == "int8" else n * k // 2 + 2 * n * (k // group) * size
+    return total
+
+
 def kv_bytes_per_token(config) -> int:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2  # K+V, bf16
@@ -309,7 +327,12 @@ VARIANTS = {
     "offgraph": [],  # the cuda defaults: decode method, GEMV projections with their folds, rotary fold
     "offgraph-gemv": ["--no-decode-rope"],
     "offgraph-unfused": ["--no-decode-gemv", "--no-decode-rope"],  # the compiler's GEMMs
+    # weight-only quantization (design section 11): every linear, the lm_head included
+    "offgraph-int8": ["--quantize", "int8"],
+    "offgraph-int4": ["--quantize", "int4", "--group-size", "128"],
 }
+#: the quantized variants: (scheme, group size), for the bytes their steps read
+QUANTIZED = {"offgraph-int8": ("int8", None), "offgraph-int4": ("int4", 128)}
 
 
 def build_offgraph(args) -> None:
@@ -570,14 +593,17 @@ def measure(args) -> None:
         with torch.device("meta"):
             meta = AutoModelForCausalLM.from_config(hf_config(args.config), dtype=torch.bfloat16)
         wb, kvt = weight_bytes(meta), kv_bytes_per_token(meta.config)
+        # a quantized variant's floor is the bytes its step reads (its weights' stored form)
+        variant_wb = {name: quantized_weight_bytes(meta, *form) for name, form in QUANTIZED.items()}
         del meta
         floor = floor_fn(bw["bytes_per_s"], wb, kvt)
         save(out, "floor", {"weight_bytes": wb, "kv_bytes_per_token": kvt, "copy_bytes_per_s": bw["bytes_per_s"],
-                            "floor_ms": {h: floor(h)[0] for h in args.history}})
+                            "floor_ms": {h: floor(h)[0] for h in args.history}, "variant_weight_bytes": variant_wb})
         with torch.no_grad():
             for name in VARIANTS:
                 if (out / f"{name}_build.json").exists():
-                    save(out, name, measure_offgraph(args, floor, name))
+                    own = floor_fn(bw["bytes_per_s"], variant_wb[name], kvt) if name in variant_wb else floor
+                    save(out, name, measure_offgraph(args, own, name))
                 torch.cuda.empty_cache()
             if (out / "hf_aoti_build.json").exists():
                 save(out, "hf_aoti", measure_hf_aoti(args, floor))

@@ -19,6 +19,14 @@ THEIRS = ("hf_aoti", "hf_compile", *GPTFAST)
 #: the float contenders this project's bf16 rows are compared with (the quantized gptfast rows are
 #: listed, not compared: they read other bytes)
 FLOAT_THEIRS = ("hf-aoti", "hf-compile", "gptfast")
+#: this project's quantized variants (``decode_bench.py`` QUANTIZED) by their scheme: compared with
+#: the gpt-fast-style contender of the same scheme and with this project's bf16 build
+SCHEMES = ("int8", "int4")
+
+
+def _scheme(name: str) -> str | None:
+    """``int8``/``int4`` for a quantized variant (``offgraph-int4``), None for a float one."""
+    return next((s for s in SCHEMES if name.endswith(f"-{s}")), None)
 
 
 def _load(out: Path, name: str) -> dict | None:
@@ -31,6 +39,11 @@ def _ours(out: Path) -> list[str]:
     names = [p.name[: -len("_build.json")] for p in out.glob("*_build.json")]
     names = [n for n in names if n not in THEIRS and (out / f"{n}.json").exists()]
     return sorted(names, key=lambda n: (n != "offgraph", n))
+
+
+def _versus(row: dict | None, step_ms: float) -> str:
+    """Two cells: the other row's contender and ms, and how many times faster ``step_ms`` is."""
+    return f"{row['contender']} {row['median_ms']:.3f} ms | {row['median_ms'] / step_ms:.2f}x" if row else "- | -"
 
 
 def _mb(n: float | None) -> str:
@@ -50,6 +63,10 @@ def render(out: Path) -> str:
             f"weights {floor['weight_bytes'] / 1e9:.2f} GB; K/V {floor['kv_bytes_per_token']:,} bytes per token. "
             "Floor = (weights + live K/V) / copy rate.", "",
         ]
+        quantized = floor.get("variant_weight_bytes") or {}
+        if any(name in quantized for name in ours):
+            lines += ["Quantized builds' floors count the weights they store: " + "; ".join(
+                f"{name} {quantized[name] / 1e9:.2f} GB" for name in ours if name in quantized) + ".", ""]
     lines += [
         "This project's rows time the runtime's whole step (inputs, admission, positions, growth check, "
         "the program or its graph's replay, commit); `replay` is its captured graph replayed alone. The "
@@ -70,13 +87,25 @@ def render(out: Path) -> str:
     for name in ours:
         for h in histories:
             mine = graph.get((name, h))
-            theirs = [(graph[(c, h)]["median_ms"], c) for c in FLOAT_THEIRS if (c, h) in graph]
+            theirs = [(graph[(c, h)]["median_ms"], c) for c in FLOAT_THEIRS if (c, h) in graph and not _scheme(name)]
             if mine and theirs:
                 best, who = min(theirs)
                 step, replay = mine["median_ms"], mine.get("replay_ms")
                 alone = f" ({replay:.3f})" if replay else ""
                 ratio = f" ({best / replay:.2f}x)" if replay else ""
                 lines.append(f"| {h:,} | {name} {step:.3f}{alone} ms | {who} {best:.3f} ms | {best / step:.2f}x{ratio} |")
+    quantized_rows = []
+    for name in ours:
+        scheme = _scheme(name)
+        for h in histories if scheme else ():
+            mine, theirs, bf16 = graph.get((name, h)), graph.get((f"gptfast-{scheme}", h)), graph.get(("offgraph", h))
+            if mine and (theirs or bf16):
+                step = mine["median_ms"]
+                quantized_rows.append(f"| {h:,} | {name} {step:.3f} ms ({mine['pct_of_floor']:.0f}% of its floor) | "
+                                      f"{_versus(theirs, step)} | {_versus(bf16, step)} |")
+    if quantized_rows:
+        lines += ["", "| history | ours quantized, CUDA graph step | gpt-fast-style, same scheme | speed-up | ours bf16 | speed-up |",
+                  "|---|---|---|---|---|---|", *quantized_rows]
     lines += ["", "| contender | export + compile | package | prefill of 1024 tokens (median) |", "|---|---|---|---|"]
     for name in ours:
         ob = builds[name]

@@ -5,7 +5,10 @@
 # The device tool returns at most 8 files from its $OUT: write into a folder outside it and pack that,
 # e.g. `benchmarks/run.sh /tmp/res; tar czf $OUT/res.tgz -C /tmp res` (session 9 lost a run's JSON and traces that way).
 # BENCH_VARIANTS picks this project's builds among offgraph (the cuda defaults), offgraph-gemv
-# (--no-decode-rope) and offgraph-unfused (--no-decode-gemv --no-decode-rope); default "offgraph offgraph-unfused".
+# (--no-decode-rope), offgraph-unfused (--no-decode-gemv --no-decode-rope), offgraph-int8 and
+# offgraph-int4 (--quantize int8, --quantize int4 --group-size 128); default "offgraph offgraph-unfused".
+# Issue 26's run: BENCH_VARIANTS="offgraph offgraph-int8 offgraph-int4" BENCH_GPTFAST="none int4"
+# (with BENCH_PHASE=build, then measure).
 # BENCH_CHECKS: which variants `check` runs on (default: all of BENCH_VARIANTS).
 # BENCH_PHASE=build|measure splits the run over two device calls of at most 10 minutes each: the
 # first builds the packages into $BENCH_ARTIFACTS (a folder git ignores, inside the repo, so the

@@ -69,3 +69,26 @@ def test_report_compares_with_the_gptfast_contender_and_lists_its_quantized_rows
     assert "| gptfast-int4 | graph | 1,024 | 0.900 |" in text
     assert "| gptfast | compiled per cache length (1,024: 72 s) | - | - |" in text
     assert "| gptfast | graph | 1,024 | 1150 | 100 |" in text
+
+
+def test_report_compares_quantized_builds_with_the_same_scheme_and_with_bf16(tmp_path):
+    """A quantized build is compared with the gpt-fast-style contender of its scheme and with this
+    project's bf16 build (issue 26's >= 1.8x), not with the float contenders, and the header names
+    its floor's weight bytes."""
+    def dump(name, data):
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+
+    build = {"export_s": 4, "passes_s": 30, "compile_s": 140, "bytes": 1_000_000_000}
+    dump("floor", {"copy_bytes_per_s": 4.1e12, "weight_bytes": 2_471_000_000, "kv_bytes_per_token": 32768,
+                   "variant_weight_bytes": {"offgraph-int4": 656_000_000, "offgraph-int8": 1_237_000_000}})
+    for name, step in (("offgraph", 1.0), ("offgraph-int4", 0.5)):
+        dump(f"{name}_build", build)
+        dump(name, {"rows": [_row(name, "graph", 1024, step, step - 0.05)], "prefill_1024": {"median_ms": 6.0}})
+    dump("hf_compile", {"compile_s": 69, "rows": [_row("hf-compile", "graph", 1024, 2.5)]})
+    dump("gptfast_int4", {"compile_s": {"1024": 80.0}, "rows": [_row("gptfast-int4", "graph", 1024, 1.1)]})
+    text = _report().render(tmp_path)
+    assert "offgraph-int4 0.66 GB" in text and "offgraph-int8" not in text  # int8 was not measured
+    assert "| 1,024 | offgraph-int4 0.500 ms (50% of its floor) | gptfast-int4 1.100 ms | 2.20x | offgraph 1.000 ms | 2.00x |" in text
+    # the float comparison lists the bf16 build only
+    assert "| 1,024 | offgraph 1.000 (0.950) ms | hf-compile 2.500 ms | 2.50x (2.63x) |" in text
+    assert "| 1,024 | offgraph-int4 0.500 (0.450) ms |" not in text

@@ -74,3 +74,17 @@ def test_the_floor_counts_the_weights_a_step_reads_as_the_contender_does(tied):
     assert decode_bench.weight_bytes(hf) == gptfast._weight_bytes(gptfast.Transformer(hf, "none"))
     every = sum(p.numel() * p.element_size() for p in hf.parameters())
     assert decode_bench.weight_bytes(hf) == every - (0 if tied else table.numel() * table.element_size())
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_quantized_floor_counts_the_bytes_the_contender_stores(tied, quant):
+    """decode_bench's floor for a quantized build (the stored form's bytes, from the model's shapes)
+    equals the bytes the gpt-fast-style contender's quantized modules actually hold."""
+    import decode_bench  # noqa: E402 - benchmarks/, on the path above
+
+    hf = _llama(tied, dtype=torch.bfloat16)
+    model = gptfast.Transformer(hf, quant)
+    expected = gptfast._weight_bytes(model)
+    assert decode_bench.quantized_weight_bytes(hf, quant, gptfast.GROUP if quant == "int4" else None) == expected
+    assert expected < decode_bench.weight_bytes(hf)
