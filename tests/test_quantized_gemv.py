@@ -29,13 +29,16 @@ def test_quantized_gemv_interpreter_suite():
 
 
 @interpreter_only
-@pytest.mark.parametrize("dequant", ["value", "group"])
+@pytest.mark.parametrize("dequant", ["value", "group", "bits"])
 @pytest.mark.parametrize("scheme,group", SCHEMES)
 @pytest.mark.parametrize("norm, gated, gate_first, residual", FOLDS)
 @pytest.mark.parametrize("n, k", [(40, 256), (96, 1152)])  # 1152: a partial last chunk of columns
 def test_interp_quantized_gemv_matches_the_float_folds_over_w_prime(n, k, norm, gated, gate_first, residual, scheme, group, dequant):
-    """Both dequantization forms (per row or group, the default; per value, a launch option)
-    against the float folds over ``W'`` (fp32: rounding ``W'`` to the dtype is exact)."""
+    """The three dequantization forms (per row or group, the default; per value and "bits", launch
+    options) against the float folds over ``W'`` (fp32: rounding ``W'`` to the dtype is exact).
+    One tolerance for all: "bits" adds fp32 rounding only, most for int4, whose sums of ``(128 +
+    q) x`` are about 17 times the group form's ``q x`` before the zero term cancels the 128 (at
+    most 0.82 of the tolerance here, against 0.05 for "group")."""
     from offgraph_export.kernels.triton_gemv import _config, gemv_launch
 
     x, w, nw, res = _fold_inputs(n, k, torch.float32, norm, gated, residual)
@@ -93,6 +96,51 @@ def test_interp_gemv_with_a_bias_matches_eager(norm, gated, gate_first, residual
     torch.testing.assert_close(got, want, atol=3e-5, rtol=3e-5)
 
 
+def _laid_out(qweight: torch.Tensor, layout: str) -> torch.Tensor:
+    """``qweight`` as stored ("contiguous"), 1 byte into its buffer ("offset"), or in rows padded
+    to a stride of 8 more bytes ("padded", still whole words) or 2 more ("stride2", not)."""
+    n, width = qweight.shape
+    if layout == "contiguous":
+        return qweight
+    if layout == "offset":
+        buffer = torch.zeros(n * width + 4, dtype=qweight.dtype)
+        out = buffer[1:1 + n * width].view(n, width)
+    else:
+        out = torch.zeros(n, width + (8 if layout == "padded" else 2), dtype=qweight.dtype)[:, :width]
+    out.copy_(qweight)
+    return out
+
+
+@interpreter_only
+@pytest.mark.parametrize("scheme, group, k, layout, form", [
+    ("int8", None, 256, "contiguous", "bits"), ("int4", 32, 1152, "contiguous", "bits"),
+    ("int8", None, 1152, "padded", "bits"), ("int4", 128, 1152, "padded", "bits"),  # word rows from the stride
+    ("int8", None, 1150, "contiguous", "group"),  # K % 4: rows are not whole words
+    ("int4", 4, 1148, "contiguous", "group"),  # K % 8 (a group of 4 divides it)
+    ("int4", 4, 1152, "contiguous", "group"),  # whole words, but a group is half a word
+    ("int8", None, 1152, "offset", "group"), ("int4", 32, 1152, "stride2", "group"),  # words not 4-byte aligned
+])
+@pytest.mark.parametrize("norm, gated, gate_first, residual", FOLDS[:4])
+def test_interp_bits_form_with_a_bias_and_where_it_falls_back(norm, gated, gate_first, residual, scheme, group, k, layout, form):
+    """``"dequant": "bits"`` with a bias, with row strides of whole words, and where it falls back
+    to "group" (rows or int4 groups not whole aligned int32 words): every launch matches the
+    float folds over ``W'``."""
+    from offgraph_export.kernels.triton_gemv import _config, _dequant_form, gemv_launch
+
+    n = 96
+    x, w, nw, res = _fold_inputs(n, k, torch.float32, norm, gated, residual)
+    b = torch.randn(n, generator=torch.Generator().manual_seed(5))
+    stored, w_prime = _quantized(w, scheme, group)
+    qweight = _laid_out(stored.qweight, layout)
+    config = _config(k, gated, quantized=True, n=n) | {"dequant": "bits"}
+    assert _dequant_form(config, 4 if group else 8, qweight, k, group or 0) == form
+    got = gemv_launch(x, qweight, nw, 1e-5, res, gated, gate_first, config, scales=stored.scales,
+                      zeros=stored.zeros, group_size=group or 0, bias=b)
+    want = _eager_folds(x, w_prime, nw, 1e-5, res, gated, gate_first, bias=b)
+    torch.testing.assert_close(got, want, atol=3e-5, rtol=3e-5)
+    assert (got - _eager_folds(x, w, nw, 1e-5, res, gated, gate_first, bias=b)).abs().max() > 1e-4
+
+
 #: the persistent row-tile kernel's quantized launches swept by scripts/bench_quantized_gemv.py
 TILES = [{"kernel": "tiles", "BLOCK_N": bn, "per_sm": 1, "num_warps": 4, "num_stages": 2} for bn in (1, 4)]
 
@@ -138,6 +186,33 @@ def test_quantized_gemv_matches_on_cuda(n, k, norm, gated, gate_first, residual,
                         None if res is None else res.double(), gated, gate_first)
     eager = _eager_folds(x, w_prime, nw, 1e-5, res, gated, gate_first)
     got = triton_gemv(x, stored.qweight, nw, 1e-5, res, gated, gate_first, stored.scales, stored.zeros, group or 0)
+    err = ((got.double() - want).norm() / want.norm()).item()
+    eager_err = ((eager.double() - want).norm() / want.norm()).item()
+    assert err <= 1.5 * eager_err + 1e-3, f"GEMV error {err:.2e} vs eager bf16 {eager_err:.2e}"
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("scheme,group", SCHEMES)
+@pytest.mark.parametrize("n, k, norm, gated, gate_first, residual", CUDA_CASES)
+def test_quantized_gemv_bits_form_matches_on_cuda(n, k, norm, gated, gate_first, residual, scheme, group):
+    """``"dequant": "bits"`` in bf16 at the Llama-1B shapes (the rows kernel at each default's
+    block, 8 rows x 512 columns for the lm_head, which defaults to the tiles kernel): as close to a
+    float64 recompute over ``W'`` as eager bf16 over ``W'`` is."""
+    from offgraph_export.kernels.triton_gemv import _config, _dequant_form, gemv_launch
+
+    x, w, nw, res = _fold_inputs(n, k, torch.bfloat16, norm, gated, residual, device="cuda", seed=7)
+    stored, w_prime = _quantized(w, scheme, group)
+    want = _eager_folds(x.double(), w_prime.double(), None if nw is None else nw.double(), 1e-5,
+                        None if res is None else res.double(), gated, gate_first)
+    eager = _eager_folds(x, w_prime, nw, 1e-5, res, gated, gate_first)
+    config = _config(k, gated, quantized=True, n=n)
+    if config["kernel"] != "rows":
+        config = {"kernel": "rows", "BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4}
+    config = config | {"dequant": "bits"}
+    assert _dequant_form(config, 4 if group else 8, stored.qweight, k, group or 0) == "bits"
+    got = gemv_launch(x, stored.qweight, nw, 1e-5, res, gated, gate_first, config, scales=stored.scales,
+                      zeros=stored.zeros, group_size=group or 0)
     err = ((got.double() - want).norm() / want.norm()).item()
     eager_err = ((eager.double() - want).norm() / want.norm()).item()
     assert err <= 1.5 * eager_err + 1e-3, f"GEMV error {err:.2e} vs eager bf16 {eager_err:.2e}"

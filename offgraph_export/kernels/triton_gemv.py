@@ -29,7 +29,12 @@ int4 two a byte ``[N, K / 2]`` with a scale and a zero per ``group_size`` column
 ``s * sum(q x)``) or group (int4: ``s * sum((q - 8) x) + z * sum(x)``), in fp32; per value
 (``"dequant": "value"``: each value rounded as ``W'`` holds it) it computes exactly what a float
 GEMV over ``W'`` computes, per row or group it differs from that by the rounding of ``W'`` only
-(and is faster: fewer operations per value). Quantized rows always take the per-row-block kernel
+(and is faster: fewer operations per value). A third form, ``"dequant": "bits"``, computes what the
+per-row-or-group form computes (up to fp32's rounding) without an int-to-float conversion a value
+(those run at a quarter of the integer and an eighth of the fp32 multiply-add rate on Hopper; the
+H100 int4 kernel reached about 30% of the memory bandwidth): the weight is read as int32 words and
+each 4- or 8-bit field is put into the mantissa of a float constant with integer logic
+(:func:`_int4_field`, :func:`_int8_field`). Quantized rows always take the per-row-block kernel
 (no width limit: a quantized lm_head has no compiler GEMM that reads its stored form).
 
 One custom op, ``offgraph_lowered::triton_gemv`` (``torch.library.triton_op``), so export keeps one
@@ -196,6 +201,112 @@ def _int4_group_sums(w_ptr, s_ptr, z_ptr, w_rows, s_rows, row_ok, k0, K, xa, xb,
 
 
 @triton.jit
+def _int4_field(words, i: tl.constexpr):
+    """Nibble ``i`` (bits ``4i .. 4i + 3``) of each int32 word as the fp32 value ``128 + q``, by
+    integer logic only: the nibble moved to bits 16..19 and or-ed into fp32 128.0 (``0x43000000``,
+    whose mantissa bit 16 counts whole units). A shift, an and and an or a value where a
+    conversion runs at a quarter of their rate; the ``128`` is folded into the group's zero term."""
+    if 4 * i <= 16:
+        bits = words << (16 - 4 * i)
+    else:
+        bits = words >> (4 * i - 16)
+    return ((bits & 0x000F0000) | 0x43000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _int8_field(words, j: tl.constexpr):
+    """Byte ``j`` of each int32 word as the fp32 value of its int8 ``q``, by integer logic and one
+    subtraction: the byte xor ``0x4B000080`` is fp32 ``2**23 + 128 + q`` (the sign flip turns
+    two's complement into ``q + 128``, and at ``2**23`` the mantissa counts whole units), and
+    ``8388736.0 = 2**23 + 128`` is exact, so the difference is ``q`` exactly."""
+    field = ((words >> (8 * j)) & 0xFF) ^ 0x4B000080
+    return field.to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
+def _word_index(k0, QUANT: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The indexes (in a row) of the int32 words holding columns ``[k0, k0 + BLOCK_K)``: int4
+    ``[NG, GW]``, ``NG`` groups of ``GW = GROUP / 8`` words, so that the words are read as a 3-D
+    block and the group sums need no reshape; int8 ``[BLOCK_K / 4]``."""
+    if QUANT == 4:
+        return k0 // 8 + tl.arange(0, BLOCK_K // GROUP)[:, None] * (GROUP // 8) + tl.arange(0, GROUP // 8)[None, :]
+    else:
+        return k0 // 4 + tl.arange(0, BLOCK_K // 4)
+
+
+@triton.jit
+def _word_block(wp, word_rows, words, row_ok, k0, K, QUANT: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The int32 words ``words`` (:func:`_word_index`) of the rows at word offsets ``word_rows``,
+    0 past ``K``: int4 ``[BLOCK_N, NG, GW]``, int8 ``[BLOCK_N, BLOCK_K / 4]``. The masks are bounds
+    the compiler sees are constant over 4 words (int4: whole groups, ``K`` being whole groups;
+    int8: ``K / 4`` words, ``K`` a multiple of 16 in its specialization), so a load reads 16 bytes
+    (with ``8 * words < K`` the sm_90 PTX read int4 words 8 bytes a load and int8 words 4)."""
+    if QUANT == 4:
+        groups = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+        ok = row_ok[:, None, None] & (groups < K // GROUP)[None, :, None]
+        return tl.load(wp + word_rows[:, None, None] + words[None, :, :], mask=ok, other=0)
+    else:
+        ok = row_ok[:, None] & (words < K // 4)[None, :]
+        return tl.load(wp + word_rows[:, None] + words[None, :], mask=ok, other=0)
+
+
+@triton.jit
+def _int4_bits_groups(p, xsum, s_ptr, z_ptr, s_rows, row_ok, k0, K, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The chunk's per-group contributions ``[BLOCK_N, NG]`` from ``p`` (``(128 + q) * x``
+    ``[BLOCK_N, NG, GW]``) and ``xsum`` (``x`` summed over each word's 8 columns, ``[NG, GW]``):
+    ``(q - 8) s + z`` summed against ``x`` is ``s * sum((128 + q) x) + (z - 136 s) * sum(x)``."""
+    groups = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+    gok = row_ok[:, None] & (groups * GROUP < K)[None, :]
+    s = tl.load(s_ptr + s_rows[:, None] + groups[None, :], mask=gok, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + s_rows[:, None] + groups[None, :], mask=gok, other=0.0).to(tl.float32)
+    return tl.sum(p, axis=2) * s + (z - 136.0 * s) * tl.sum(xsum, axis=1)[None, :]
+
+
+@triton.jit
+def _bits_chunk(w_ptr, s_ptr, z_ptr, x_ptr, norm_ptr, gate_rows, up_rows, stride_wn, stride_sn, row_ok, k0, K, rstd,
+                dt: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One chunk's contribution to the accumulators of the gate rows and (GATED) the up rows, the
+    ``"bits"`` form: the rows read as int32 words (``stride_wn`` in words), each
+    field turned into fp32 by :func:`_int4_field` / :func:`_int8_field` and multiplied by ``x`` at
+    its column, fp32 throughout. ``x`` is read once a field position (column ``8 word + i`` for
+    int4, ``4 word + j`` for int8) and shared by both row sets. int4: per-group contributions
+    ``[BLOCK_N, NG]`` (:func:`_int4_bits_groups`); int8: the products before their row's scale
+    ``[BLOCK_N, BLOCK_K / 4]``, as the per-row form accumulates them. Returns (gate, up); up is
+    gate unless GATED."""
+    wp = w_ptr.to(tl.pointer_type(tl.int32))
+    words = _word_index(k0, QUANT, GROUP, BLOCK_K)
+    gate_words = _word_block(wp, gate_rows * stride_wn, words, row_ok, k0, K, QUANT, GROUP, BLOCK_K)
+    up_words = gate_words
+    if GATED:
+        up_words = _word_block(wp, up_rows * stride_wn, words, row_ok, k0, K, QUANT, GROUP, BLOCK_K)
+    if QUANT == 4:
+        p = tl.zeros([BLOCK_N, BLOCK_K // GROUP, GROUP // 8], dtype=tl.float32)
+        p_up = p
+        xsum = tl.zeros([BLOCK_K // GROUP, GROUP // 8], dtype=tl.float32)
+        for i in tl.static_range(8):
+            x = _x_at(x_ptr, norm_ptr, 8 * words + i, K, rstd, dt, NORM)
+            p += _int4_field(gate_words, i) * x[None, :, :]
+            if GATED:
+                p_up += _int4_field(up_words, i) * x[None, :, :]
+            xsum += x
+        gate = _int4_bits_groups(p, xsum, s_ptr, z_ptr, gate_rows * stride_sn, row_ok, k0, K, GROUP, BLOCK_K)
+        up = gate
+        if GATED:
+            up = _int4_bits_groups(p_up, xsum, s_ptr, z_ptr, up_rows * stride_sn, row_ok, k0, K, GROUP, BLOCK_K)
+        return gate, up
+    else:
+        p = tl.zeros([BLOCK_N, BLOCK_K // 4], dtype=tl.float32)
+        p_up = p
+        for j in tl.static_range(4):
+            x = _x_at(x_ptr, norm_ptr, 4 * words + j, K, rstd, dt, NORM)
+            p += _int8_field(gate_words, j) * x[None, :]
+            if GATED:
+                p_up += _int8_field(up_words, j) * x[None, :]
+        return p, p_up
+
+
+@triton.jit
 def _chunk(w_ptr, s_ptr, z_ptr, w_rows, s_rows, row_ok, k0, K, xa, xb, dt: tl.constexpr, QUANT: tl.constexpr,
            GROUP: tl.constexpr, BY_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One chunk's contribution to the accumulator: per value (:func:`_products`), or with
@@ -216,14 +327,19 @@ def _chunk(w_ptr, s_ptr, z_ptr, w_rows, s_rows, row_ok, k0, K, xa, xb, dt: tl.co
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, s_ptr, z_ptr, b_ptr, N, K, stride_wn, stride_sn, gate_offset, up_offset, eps,
     NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
-    BIAS: tl.constexpr, BY_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC_K: tl.constexpr,
+    BIAS: tl.constexpr, BY_GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ACC_K: tl.constexpr,
 ):
     """Program p: output features ``[p * BLOCK_N, (p + 1) * BLOCK_N)``, each the dot product of
     one contiguous weight row (two when GATED) with ``x``, read ``BLOCK_K`` columns at a time
     (QUANT 8 or 4: a quantized row, dequantized in registers; ``ACC_K`` the products' width, half
-    ``BLOCK_K`` for int4, whose even and odd columns are summed apart). Every intermediate an eager
-    decode layer would store is rounded to the output dtype here. BIAS: the linear's bias joins
-    the fp32 sum before its rounding, as a GEMM's bias epilogue adds it."""
+    ``BLOCK_K`` for int4, whose even and odd columns are summed apart, or its groups a chunk by
+    group). BY_GROUP: scales applied per row or group; with BITS too, the rows read as int32 words
+    and converted by bit logic (:func:`_bits_chunk`; ``stride_wn`` in words, given so from the host
+    so that its specialization as a multiple of 16 tells the compiler the rows' word loads are
+    aligned; ``ACC_K`` the chunk's groups for int4, its words for int8). Every intermediate an eager decode layer would store is rounded to the output
+    dtype here. BIAS: the linear's bias joins the fp32 sum before its rounding, as a GEMM's bias
+    epilogue adds it."""
     pid = tl.program_id(0)
     dt = out_ptr.dtype.element_ty
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -242,18 +358,25 @@ def _gemv_kernel(
     gate_rows = (rows + gate_offset).to(tl.int64)
     up_rows = (rows + up_offset).to(tl.int64)
     for k0 in range(0, K, BLOCK_K):
-        if QUANT == 4:
-            even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-            xa = _x_at(x_ptr, norm_ptr, even, K, rstd, dt, NORM)
-            xb = _x_at(x_ptr, norm_ptr, even + 1, K, rstd, dt, NORM)
+        if BITS:
+            gate, up = _bits_chunk(w_ptr, s_ptr, z_ptr, x_ptr, norm_ptr, gate_rows, up_rows, stride_wn, stride_sn, row_ok,
+                                   k0, K, rstd, dt, NORM, GATED, QUANT, GROUP, BLOCK_N, BLOCK_K)
+            acc += gate
+            if GATED:
+                acc_up += up
         else:
-            xa = _x_at(x_ptr, norm_ptr, k0 + tl.arange(0, BLOCK_K), K, rstd, dt, NORM)
-            xb = xa
-        acc += _chunk(w_ptr, s_ptr, z_ptr, gate_rows * stride_wn, gate_rows * stride_sn, row_ok, k0, K, xa, xb,
-                      dt, QUANT, GROUP, BY_GROUP, BLOCK_N, BLOCK_K)
-        if GATED:
-            acc_up += _chunk(w_ptr, s_ptr, z_ptr, up_rows * stride_wn, up_rows * stride_sn, row_ok, k0, K, xa, xb,
-                             dt, QUANT, GROUP, BY_GROUP, BLOCK_N, BLOCK_K)
+            if QUANT == 4:
+                even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+                xa = _x_at(x_ptr, norm_ptr, even, K, rstd, dt, NORM)
+                xb = _x_at(x_ptr, norm_ptr, even + 1, K, rstd, dt, NORM)
+            else:
+                xa = _x_at(x_ptr, norm_ptr, k0 + tl.arange(0, BLOCK_K), K, rstd, dt, NORM)
+                xb = xa
+            acc += _chunk(w_ptr, s_ptr, z_ptr, gate_rows * stride_wn, gate_rows * stride_sn, row_ok, k0, K, xa, xb,
+                          dt, QUANT, GROUP, BY_GROUP, BLOCK_N, BLOCK_K)
+            if GATED:
+                acc_up += _chunk(w_ptr, s_ptr, z_ptr, up_rows * stride_wn, up_rows * stride_sn, row_ok, k0, K, xa, xb,
+                                 dt, QUANT, GROUP, BY_GROUP, BLOCK_N, BLOCK_K)
     proj = tl.sum(acc, axis=1)
     if BY_GROUP and QUANT == 8:  # the row's scale, once
         proj = proj * tl.load(s_ptr + gate_rows, mask=row_ok, other=0.0).to(tl.float32)
@@ -397,14 +520,36 @@ def _gemv(
                        group_size=group_size, bias=bias)
 
 
+def _dequant_form(config: dict, quant: int, w: torch.Tensor, k: int, group_size: int) -> str:
+    """The rows kernel's dequantization form for ``config`` ("value", "group" or "bits"; float
+    weights: "value"): "bits" reads the weight as int32 words, so it falls back to "group" unless
+    a row is whole, 4-byte-aligned words (int4: ``k % 8 == 0``, int8: ``k % 4 == 0``; the row
+    stride and the weight's offset multiples of 4 bytes) and, for int4, a group is whole words
+    (``group_size % 8 == 0``)."""
+    form = config.get("dequant", "value") if quant else "value"
+    if form == "bits":
+        words = k % (8 if quant == 4 else 4) == 0 and (quant == 8 or group_size % 8 == 0)
+        if not (words and w.stride(0) % 4 == 0 and w.storage_offset() % 4 == 0):
+            return "group"
+    return form
+
+
 def gemv_launch(x, w, norm_weight=None, eps=0.0, residual=None, gated=False, gate_first=True,
                 config: Optional[dict] = None, scales=None, zeros=None, group_size: int = 0, bias=None) -> torch.Tensor:
     """The op's body; ``config`` overrides :func:`_config` (``scripts/sweep_decode_kernels.py``
-    calls this eagerly to sweep launch configurations; ``"dequant": "value"`` in it dequantizes each
-    value as ``W'`` holds it, :func:`_chunk`, where the default is per row or group). With ``scales`` the weight is quantized
-    (design section 11): int8 ``[N, K]`` and scales ``[N]``, or with ``zeros`` and ``group_size``
-    int4 ``[N, K / 2]`` and scales and zeros ``[N, K / group_size]``. ``bias``: ``[N]``, the
-    linear's (Qwen-style q/k/v projections)."""
+    calls this eagerly to sweep launch configurations). Its ``"dequant"`` picks the rows kernel's
+    dequantization of a quantized weight: ``"group"`` (the default's) applies the scale once per
+    row (int8) or group (int4); ``"value"`` dequantizes each value as ``W'`` holds it
+    (:func:`_chunk`); ``"bits"`` computes what ``"group"`` computes, differing from it by fp32's
+    rounding only, without an int-to-float conversion a value: the weight is read as int32 words
+    and each field put into the mantissa of an fp32 constant by integer logic (int4: ``128 + q``,
+    the ``128`` folded into the group's zero term; int8: ``2**23 + 128 + q``, less ``2**23 + 128``),
+    :func:`_bits_chunk`. "bits" falls back to "group" where a row is not whole, aligned int32
+    words (:func:`_dequant_form`: int4 ``K % 8``, int8 ``K % 4``, the row stride or offset not a
+    multiple of 4 bytes) or an int4 group is not (``group_size % 8``). With ``scales`` the weight
+    is quantized (design section 11): int8 ``[N, K]`` and scales ``[N]``, or with ``zeros`` and
+    ``group_size`` int4 ``[N, K / 2]`` and scales and zeros ``[N, K / group_size]``. ``bias``:
+    ``[N]``, the linear's (Qwen-style q/k/v projections)."""
     quant = 0 if scales is None else (4 if zeros is not None else 8)
     n, k = int(w.shape[0]), int(x.shape[-1])
     torch._check(w.stride(1) == 1, lambda: "the weight must be row-major")
@@ -457,12 +602,17 @@ def gemv_launch(x, w, norm_weight=None, eps=0.0, residual=None, gated=False, gat
         block_k = config["BLOCK_K"]
         if quant == 4:
             block_k = max(block_k, 2 * group_size)  # a chunk holds whole groups' worth of columns
-        by_group = bool(quant) and config.get("dequant", "value") == "group"
-        acc_k = block_k // group_size if by_group and quant == 4 else block_k // 2 if quant == 4 else block_k
-        args = (flat, w, out, norm, res, s_arg, z_arg, b_arg, n_out, k, w.stride(0), stride_sn, gate_offset, up_offset, eps)
+        form = _dequant_form(config, quant, w, k, group_size)
+        by_group, bits = form in ("group", "bits"), form == "bits"
+        if by_group and quant == 4:
+            acc_k = block_k // group_size
+        else:
+            acc_k = block_k // 4 if bits else block_k // 2 if quant == 4 else block_k
+        stride_wn = w.stride(0) // 4 if bits else w.stride(0)  # bits: in int32 words
+        args = (flat, w, out, norm, res, s_arg, z_arg, b_arg, n_out, k, stride_wn, stride_sn, gate_offset, up_offset, eps)
         torch.library.wrap_triton(_gemv_kernel)[(tiles, 1, 1)](
-            *args, QUANT=quant, GROUP=max(group_size, 1), BIAS=bias is not None, BY_GROUP=by_group, BLOCK_K=block_k,
-            ACC_K=acc_k, **flags,
+            *args, QUANT=quant, GROUP=max(group_size, 1), BIAS=bias is not None, BY_GROUP=by_group, BITS=bits,
+            BLOCK_K=block_k, ACC_K=acc_k, **flags,
         )
     return out
 
