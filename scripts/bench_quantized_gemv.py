@@ -5,9 +5,10 @@ L2), captured in one CUDA graph and replayed: the median replay over 16 is one c
 decode step pays it. Per shape, side by side: bf16 through cuBLAS (``F.linear``) and through this
 project's GEMV (``kernels/triton_gemv.py``, where its width limit admits it), int8 and int4
 (group 128) through the same GEMV with its folds (default launch configuration and a few others),
-both forms of dequantization (per row or group, the default; per value, ``"dequant": "value"``),
-and, for int4 without folds, tinygemm (``aten._weight_int4pack_mm``, the kernel gpt-fast's int4
-path uses) as the contender. The step sums 16 layers of each projection plus the lm_head; the
+three forms of dequantization (per row or group, the default; per value, ``"dequant": "value"``;
+per row or group without an int-to-float conversion a value, ``"dequant": "bits"``, swept over the
+rows kernel's launches), and, for int4 without folds, tinygemm (``aten._weight_int4pack_mm``, the
+kernel gpt-fast's int4 path uses) as the contender. The step sums 16 layers of each projection plus the lm_head; the
 floor is the weights' bytes at the measured device copy rate.
 
     python scripts/bench_quantized_gemv.py --out quantized_gemv.json     # measures, writes report.md beside it
@@ -53,8 +54,18 @@ GROUP = 128
 VARIANTS = {  # step variant: the weights it reads
     "cublas_bf16": "bf16", "gemv_bf16": "bf16", "gemv_int8": "int8", "gemv_int8_pervalue": "int8",
     "gemv_int4": "int4", "gemv_int4_pervalue": "int4", "tinygemm_int4": "int4",
-    "gemv_int8_best": "int8", "gemv_int4_best": "int4",
-}  # *_best: for each projection the fastest launch measured for it (what a default tuned on this run gives)
+    "gemv_int8_best": "int8", "gemv_int4_best": "int4", "gemv_int8_bits_best": "int8", "gemv_int4_bits_best": "int4",
+}  # *_best: for each projection the fastest launch measured for it (what a default tuned on this run gives) of
+#    the forms the default may take (per row or group: the rows and tiles kernels); *_bits_best: the fastest
+#    "bits" launch of the rows kernel
+
+
+def _best_of(us: dict, scheme: str, bits: bool) -> str | None:
+    """The fastest launch measured of ``scheme`` among its "bits" launches, or (``bits`` false)
+    among the others except per value: the launches ``_best`` took before "bits" was swept."""
+    options = {key: t for key, t in us.items() if key.startswith(f"gemv_{scheme}") and "pervalue" not in key
+               and not key.endswith("_best") and ("_bits_" in key) == bits}
+    return min(options, key=options.get) if options else None
 
 
 def report(data: dict) -> str:
@@ -80,10 +91,13 @@ def report(data: dict) -> str:
             continue
         us, floor = data["step_us"][variant], data["floor_us"][weights]
         lines.append(f"| {variant} | {us:,.1f} | {data['weight_bytes'][weights] / 1e9:.3f} GB | {floor:,.1f} | {100 * floor / us:.0f}% |")
-    lines += ["", "| projection | fastest int8 launch | fastest int4 launch |", "|---|---|---|"]
+    lines += ["", "| projection | fastest int8 launch | fastest int4 launch | fastest int8 bits launch | fastest int4 bits launch |",
+              "|---|---|---|---|---|"]
     for row in data["rows"]:
         if "best" in row:
-            lines.append(f"| {row['shape'].replace('|', chr(92) + '|')} | {row['best']['int8']} | {row['best']['int4']} |")
+            best = row["best"]
+            lines.append(f"| {row['shape'].replace('|', chr(92) + '|')} | {best['int8']} | {best['int4']} | "
+                         f"{best.get('int8_bits') or '-'} | {best.get('int4_bits') or '-'} |")
     lines += ["", "A bf16 step at or above 100% of the floor means the copy rate read here is below what the card's "
               "weight reads reach: compare the variants with each other first."]
     lines += ["", "Command: `python scripts/bench_quantized_gemv.py --out quantized_gemv.json` (in `scripts/gpu_quantized.sh`)."]
@@ -130,9 +144,10 @@ def main() -> None:
 
             row["us"][f"gemv_{scheme}"] = replay_us(run, copies)
             row["us"][f"gemv_{scheme}_pervalue"] = replay_us(lambda: run(tg._config(k, gated, True, n) | {"dequant": "value"}), copies)
-            sweep = {f"gemv_{scheme}_group_{bn}x{bk}w{warps}": {"kernel": "rows", "BLOCK_N": bn, "BLOCK_K": bk,
-                                                                  "num_warps": warps, "dequant": "group"}
-                     for bn, bk, warps in CONFIGS}
+            sweep = {f"gemv_{scheme}_{form}_{bn}x{bk}w{warps}": {"kernel": "rows", "BLOCK_N": bn, "BLOCK_K": bk,
+                                                                   "num_warps": warps, "dequant": form}
+                     for form in ("group", "bits") for bn, bk, warps in CONFIGS
+                     if not (form == "bits" and scheme == "int4" and bk < GROUP)}
             if k <= TILES_MAX_K:
                 sweep |= {f"gemv_{scheme}_tiles_{bn}r{per_sm}p{warps}w{stages}s": {
                     "kernel": "tiles", "BLOCK_N": bn, "per_sm": per_sm, "num_warps": warps, "num_stages": stages}
@@ -157,9 +172,12 @@ def main() -> None:
             del stored
         best = {}
         for scheme in ("int8", "int4"):
-            options = {key: us for key, us in row["us"].items() if key.startswith(f"gemv_{scheme}") and "pervalue" not in key}
-            best[scheme] = min(options, key=options.get)
-            row["us"][f"gemv_{scheme}_best"] = options[best[scheme]]
+            for bits in (False, True):
+                key = _best_of(row["us"], scheme, bits)
+                label = f"{scheme}_bits" if bits else scheme
+                best[label] = key
+                if key is not None:
+                    row["us"][f"gemv_{label}_best"] = row["us"][key]
         row["best"] = best
         rows.append(row)
         print(name, {key: round(us, 2) for key, us in row["us"].items()}, flush=True)
@@ -167,6 +185,8 @@ def main() -> None:
         torch.cuda.empty_cache()
     step = {}
     for variant in VARIANTS:
+        if variant.endswith("_bits_best") and not all(variant in row["us"] for row in rows):
+            continue  # no "bits" launch ran for some projection: no step to sum
         total = 0.0
         for row in rows:
             us = row["us"].get(variant) or row["us"].get("gemv_bf16" if variant == "gemv_bf16" else "cublas_bf16")
