@@ -34,7 +34,7 @@ def main() -> None:
     program = load_artifact(args.artifact)
     runner = BatchedRunner(program)
     logits = torch.zeros(1, runner.manifest.max_write, args.vocab_out)
-    runner._launch = lambda width: [logits[:, :width]]  # the program left out: host work only
+    runner._launch = lambda width, one_row_per_session=False: [logits[:, :width]]  # the program left out: host work only
     for b in args.batches:
         sids = [runner.open() for _ in range(b)]
         runner.step({sid: [1] for sid in sids})
