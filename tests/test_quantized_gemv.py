@@ -141,27 +141,63 @@ def test_interp_bits_form_with_a_bias_and_where_it_falls_back(norm, gated, gate_
     assert (got - _eager_folds(x, w, nw, 1e-5, res, gated, gate_first, bias=b)).abs().max() > 1e-4
 
 
-#: the persistent row-tile kernel's quantized launches swept by scripts/bench_quantized_gemv.py
-TILES = [{"kernel": "tiles", "BLOCK_N": bn, "per_sm": 1, "num_warps": 4, "num_stages": 2} for bn in (1, 4)]
+#: the persistent row-tile kernel's quantized launches swept by scripts/bench_quantized_gemv.py, per
+#: row or group and "bits"
+TILES = [{"kernel": "tiles", "BLOCK_N": bn, "per_sm": 1, "num_warps": 4, "num_stages": 2} | form
+         for form in ({}, {"dequant": "bits"}) for bn in (1, 4)]
+
+
+def _tiles_id(config: dict) -> str:
+    return f"tiles{config['BLOCK_N']}{config.get('dequant', '')}"
 
 
 @interpreter_only
-@pytest.mark.parametrize("config", TILES, ids=lambda c: f"tiles{c['BLOCK_N']}")
+@pytest.mark.parametrize("config", TILES, ids=_tiles_id)
 @pytest.mark.parametrize("scheme,group", SCHEMES)
 @pytest.mark.parametrize("norm, gated, gate_first, residual", FOLDS[:4])
 @pytest.mark.parametrize("n, k, bias", [(600, 1152, True)])  # several tiles a program; K < BLOCK_K
 def test_interp_tiles_kernel_reads_quantized_rows_like_the_float_folds(n, k, bias, norm, gated, gate_first, residual, scheme, group, config):
     """The persistent kernel (``x`` prepared once a program, int4's even and odd columns and group
-    sums too) over int8 / int4 rows, per row or group, with every fold and a bias, against ``W'``."""
-    from offgraph_export.kernels.triton_gemv import gemv_launch
+    sums too, or for "bits" ``x`` at each field position of a word) over int8 / int4 rows, per row
+    or group and "bits", with every fold and a bias, against ``W'``."""
+    from offgraph_export.kernels.triton_gemv import _dequant_form, gemv_launch
 
     x, w, nw, res = _fold_inputs(n, k, torch.float32, norm, gated, residual)
     b = torch.randn(n, generator=torch.Generator().manual_seed(5)) if bias else None
     stored, w_prime = _quantized(w, scheme, group)
+    bits = _dequant_form(config, 4 if group else 8, stored.qweight, k, group or 0) == "bits"
+    assert bits == (config.get("dequant") == "bits")
     got = gemv_launch(x, stored.qweight, nw, 1e-5, res, gated, gate_first, config, scales=stored.scales,
                       zeros=stored.zeros, group_size=group or 0, bias=b)
     want = _eager_folds(x, w_prime, nw, 1e-5, res, gated, gate_first, bias=b)
     assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=3e-5, rtol=3e-5)
+    assert (got - _eager_folds(x, w, nw, 1e-5, res, gated, gate_first, bias=b)).abs().max() > 1e-4
+
+
+@interpreter_only
+@pytest.mark.parametrize("scheme, group, k, layout, form", [
+    ("int8", None, 1152, "padded", "bits"), ("int4", 128, 1152, "padded", "bits"),  # word rows from the stride
+    ("int8", None, 1152, "offset", "group"), ("int4", 32, 1152, "stride2", "group"),  # words not 4-byte aligned
+    ("int4", 4, 1152, "contiguous", "group"),  # a group is half a word
+])
+@pytest.mark.parametrize("norm, gated, gate_first, residual", FOLDS[:4])
+def test_interp_tiles_kernel_bits_form_where_it_falls_back(norm, gated, gate_first, residual, scheme, group, k, layout, form):
+    """The persistent kernel's ``"dequant": "bits"`` over rows padded to a stride of whole words,
+    and where it falls back to reading by group (rows or int4 groups not whole aligned words):
+    each launch matches the float folds over ``W'``."""
+    from offgraph_export.kernels.triton_gemv import _dequant_form, gemv_launch
+
+    n = 600
+    x, w, nw, res = _fold_inputs(n, k, torch.float32, norm, gated, residual)
+    b = torch.randn(n, generator=torch.Generator().manual_seed(5))
+    stored, w_prime = _quantized(w, scheme, group)
+    qweight = _laid_out(stored.qweight, layout)
+    config = TILES[3]
+    assert config["dequant"] == "bits" and _dequant_form(config, 4 if group else 8, qweight, k, group or 0) == form
+    got = gemv_launch(x, qweight, nw, 1e-5, res, gated, gate_first, config, scales=stored.scales,
+                      zeros=stored.zeros, group_size=group or 0, bias=b)
+    want = _eager_folds(x, w_prime, nw, 1e-5, res, gated, gate_first, bias=b)
     torch.testing.assert_close(got, want, atol=3e-5, rtol=3e-5)
     assert (got - _eager_folds(x, w, nw, 1e-5, res, gated, gate_first, bias=b)).abs().max() > 1e-4
 
@@ -218,28 +254,49 @@ def test_quantized_gemv_bits_form_matches_on_cuda(n, k, norm, gated, gate_first,
     assert err <= 1.5 * eager_err + 1e-3, f"GEMV error {err:.2e} vs eager bf16 {eager_err:.2e}"
 
 
-@pytest.mark.cuda
-@needs_cuda
-@pytest.mark.parametrize("scheme,group", SCHEMES)
-@pytest.mark.parametrize("n, k, norm, gated, gate_first, residual", [
-    (3072, 2048, True, False, True, False), (16384, 2048, True, True, True, False),
-    (2048, 8192, False, False, True, True), (128256, 2048, True, False, True, False)])
-def test_quantized_tiles_kernel_matches_on_cuda(n, k, norm, gated, gate_first, residual, scheme, group):
-    """The persistent kernel over quantized rows in bf16 at the Llama-1B shapes (8 warps for the
-    8192-column rows it holds whole): as close to a float64 recompute over ``W'`` as eager is."""
-    from offgraph_export.kernels.triton_gemv import gemv_launch
+#: the persistent kernel's quantized CUDA cases at the Llama-1B shapes
+TILES_CUDA_CASES = [(3072, 2048, True, False, True, False), (16384, 2048, True, True, True, False),
+                    (2048, 8192, False, False, True, True), (128256, 2048, True, False, True, False)]
+
+
+def _tiles_cuda_case(n, k, norm, gated, gate_first, residual, scheme, group, dequant):
+    """The persistent kernel (4 rows a tile, ``dequant`` added to its launch) over quantized rows
+    in bf16: as close to a float64 recompute over ``W'`` as eager is."""
+    from offgraph_export.kernels.triton_gemv import _dequant_form, gemv_launch
 
     x, w, nw, res = _fold_inputs(n, k, torch.bfloat16, norm, gated, residual, device="cuda", seed=7)
     stored, w_prime = _quantized(w, scheme, group)
     want = _eager_folds(x.double(), w_prime.double(), None if nw is None else nw.double(), 1e-5,
                         None if res is None else res.double(), gated, gate_first)
     eager = _eager_folds(x, w_prime, nw, 1e-5, res, gated, gate_first)
-    config = {"kernel": "tiles", "BLOCK_N": 4, "per_sm": 4, "num_warps": 8 if k > 4096 else 4, "num_stages": 3}
+    config = {"kernel": "tiles", "BLOCK_N": 4, "per_sm": 4, "num_warps": 8 if k > 4096 else 4, "num_stages": 3} | dequant
+    if dequant:
+        assert _dequant_form(config, 4 if group else 8, stored.qweight, k, group or 0) == "bits"
     got = gemv_launch(x, stored.qweight, nw, 1e-5, res, gated, gate_first, config, scales=stored.scales,
                       zeros=stored.zeros, group_size=group or 0)
     err = ((got.double() - want).norm() / want.norm()).item()
     eager_err = ((eager.double() - want).norm() / want.norm()).item()
     assert err <= 1.5 * eager_err + 1e-3, f"GEMV error {err:.2e} vs eager bf16 {eager_err:.2e}"
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("scheme,group", SCHEMES)
+@pytest.mark.parametrize("n, k, norm, gated, gate_first, residual", TILES_CUDA_CASES)
+def test_quantized_tiles_kernel_matches_on_cuda(n, k, norm, gated, gate_first, residual, scheme, group):
+    """The persistent kernel over quantized rows in bf16 at the Llama-1B shapes (8 warps for the
+    8192-column rows it holds whole): as close to a float64 recompute over ``W'`` as eager is."""
+    _tiles_cuda_case(n, k, norm, gated, gate_first, residual, scheme, group, {})
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("scheme,group", SCHEMES)
+@pytest.mark.parametrize("n, k, norm, gated, gate_first, residual", TILES_CUDA_CASES)
+def test_quantized_tiles_kernel_bits_form_matches_on_cuda(n, k, norm, gated, gate_first, residual, scheme, group):
+    """The persistent kernel's ``"dequant": "bits"`` in bf16 at the same shapes (the lm_head's
+    default tile launch among them), as close to a float64 recompute over ``W'`` as eager is."""
+    _tiles_cuda_case(n, k, norm, gated, gate_first, residual, scheme, group, {"dequant": "bits"})
 
 
 @needs_triton

@@ -34,8 +34,9 @@ per-row-or-group form computes (up to fp32's rounding) without an int-to-float c
 (those run at a quarter of the integer and an eighth of the fp32 multiply-add rate on Hopper; the
 H100 int4 kernel reached about 30% of the memory bandwidth): the weight is read as int32 words and
 each 4- or 8-bit field is put into the mantissa of a float constant with integer logic
-(:func:`_int4_field`, :func:`_int8_field`). Quantized rows always take the per-row-block kernel
-(no width limit: a quantized lm_head has no compiler GEMM that reads its stored form).
+(:func:`_int4_field`, :func:`_int8_field`); a launch option of both kernels. Quantized rows take
+the GEMV at any width (no width limit: a quantized lm_head has no compiler GEMM that reads its
+stored form).
 
 One custom op, ``offgraph_lowered::triton_gemv`` (``torch.library.triton_op``), so export keeps one
 node and AOTInductor compiles the kernel into the package. Products are accumulated in fp32.
@@ -105,11 +106,12 @@ _QUANT_TILE_MAX_K = 2048
 def _config(k: int, gated: bool = False, quantized: bool = False, n: int = 0, bias: bool = False) -> dict:
     """The kernel and its launch parameters for ``n`` weight rows of ``k`` columns: ``kernel``
     "rows" (:func:`_gemv_kernel`: ``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``dequant``) or "tiles"
-    (:func:`_gemv_tiles_kernel`: ``BLOCK_N``, ``per_sm`` programs, ``num_warps``, ``num_stages``).
-    ``quantized``: the weight is int8/int4 (the rows kernel, dequantized per row or group);
-    ``bias``: the linear adds one (the rows kernel: the tiles kernel takes one, but its launch
-    was swept without). The tiles kernel also reads quantized rows, per row or group (its launch
-    has no ``dequant``), the default for a wide quantized lm_head (:data:`_QUANT_TILE_MAX_K`)."""
+    (:func:`_gemv_tiles_kernel`: ``BLOCK_N``, ``per_sm`` programs, ``num_warps``, ``num_stages``,
+    optionally ``dequant``). ``quantized``: the weight is int8/int4 (the rows kernel, dequantized
+    per row or group); ``bias``: the linear adds one (the rows kernel: the tiles kernel takes one,
+    but its launch was swept without). The tiles kernel also reads quantized rows, per row or
+    group (or "bits" where a launch asks; no default does), the default for a wide quantized
+    lm_head (:data:`_QUANT_TILE_MAX_K`)."""
     if quantized:
         if n >= _QUANT_WIDE_ROWS and not gated and k <= _QUANT_TILE_MAX_K:
             return {"kernel": "tiles", "BLOCK_N": 4, "per_sm": 4, "num_warps": 4, "num_stages": 3}
@@ -254,15 +256,28 @@ def _word_block(wp, word_rows, words, row_ok, k0, K, QUANT: tl.constexpr, GROUP:
 
 
 @triton.jit
-def _int4_bits_groups(p, xsum, s_ptr, z_ptr, s_rows, row_ok, k0, K, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+def _x_fields(x_ptr, norm_ptr, words, K, rstd, dt: tl.constexpr, NORM: tl.constexpr, QUANT: tl.constexpr):
+    """``x`` (:func:`_x_at`) at each field position of the int32 words ``words``
+    (:func:`_word_index`): a tuple of 8 (int4: columns ``8 word + i``) or 4 (int8: ``4 word + j``)
+    fp32 tensors of ``words``' shape, field ``i`` of a word to be multiplied by the ``i``-th."""
+    FIELDS: tl.constexpr = 8 if QUANT == 4 else 4
+    xs = ()
+    for i in tl.static_range(FIELDS):
+        xs = xs + (_x_at(x_ptr, norm_ptr, FIELDS * words + i, K, rstd, dt, NORM),)
+    return xs
+
+
+@triton.jit
+def _int4_bits_groups(p, xg, s_ptr, z_ptr, s_rows, row_ok, k0, K, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
     """The chunk's per-group contributions ``[BLOCK_N, NG]`` from ``p`` (``(1 + q / 16) * x``
-    ``[BLOCK_N, NG, GW]``) and ``xsum`` (``x`` summed over each word's 8 columns, ``[NG, GW]``):
-    ``(q - 8) s + z`` summed against ``x`` is ``16 s * sum((1 + q / 16) x) + (z - 24 s) * sum(x)``."""
+    ``[BLOCK_N, NG, GW]``) and ``xg`` (each group's ``sum(x)``, ``[NG]``): ``(q - 8) s + z``
+    summed against ``x`` is ``16 s * sum((1 + q / 16) x) + (z - 24 s) * sum(x)``. Both kernels'
+    "bits" form (:func:`_bits_chunk`, :func:`_tile_sums`)."""
     groups = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
     gok = row_ok[:, None] & (groups * GROUP < K)[None, :]
     s = tl.load(s_ptr + s_rows[:, None] + groups[None, :], mask=gok, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + s_rows[:, None] + groups[None, :], mask=gok, other=0.0).to(tl.float32)
-    return tl.sum(p, axis=2) * (16.0 * s) + (z - 24.0 * s) * tl.sum(xsum, axis=1)[None, :]
+    return tl.sum(p, axis=2) * (16.0 * s) + (z - 24.0 * s) * xg[None, :]
 
 
 @triton.jit
@@ -293,10 +308,11 @@ def _bits_chunk(w_ptr, s_ptr, z_ptr, x_ptr, norm_ptr, gate_rows, up_rows, stride
             if GATED:
                 p_up += _int4_field(up_words, i) * x[None, :, :]
             xsum += x
-        gate = _int4_bits_groups(p, xsum, s_ptr, z_ptr, gate_rows * stride_sn, row_ok, k0, K, GROUP, BLOCK_K)
+        xg = tl.sum(xsum, axis=1)
+        gate = _int4_bits_groups(p, xg, s_ptr, z_ptr, gate_rows * stride_sn, row_ok, k0, K, GROUP, BLOCK_K)
         up = gate
         if GATED:
-            up = _int4_bits_groups(p_up, xsum, s_ptr, z_ptr, up_rows * stride_sn, row_ok, k0, K, GROUP, BLOCK_K)
+            up = _int4_bits_groups(p_up, xg, s_ptr, z_ptr, up_rows * stride_sn, row_ok, k0, K, GROUP, BLOCK_K)
         return gate, up
     else:
         p = tl.zeros([BLOCK_N, BLOCK_K // 4], dtype=tl.float32)
@@ -412,13 +428,31 @@ def _finish(proj, up, out_ptr, res_ptr, rows, row_ok, GATED: tl.constexpr, RESID
 
 
 @triton.jit
-def _tile_sums(w_ptr, s_ptr, z_ptr, w_rows, s_rows, row_ok, cols, col_ok, xf, xa, xb, xsum, K,
-               QUANT: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _tile_sums(w_ptr, s_ptr, z_ptr, w_rows, s_rows, row_ok, cols, col_ok, xf, xa, xb, xsum, xs, K,
+               QUANT: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
     """fp32 row sums of one row tile against the whole (prepared) ``x``: float rows against
     ``xf``; int8 rows ``s * sum(q x)``; int4 rows by group, ``s * sum(q x) + (z - 8 s) * sum(x)``
     over ``xa``/``xb`` (the even and odd columns) and ``xsum`` (each group's ``sum(x)``), as
-    :func:`_int4_group_sums` computes them."""
-    if QUANT == 4:
+    :func:`_int4_group_sums` computes them. BITS: the rows read as int32 words (``w_rows`` in
+    words), int4 ``[BLOCK_N, NG, GW]``, int8 ``[BLOCK_N, BLOCK_K / 4]`` (:func:`_word_block`), each
+    field turned into fp32 by :func:`_int4_field` / :func:`_int8_field` and multiplied by its ``x``
+    from ``xs`` (:func:`_x_fields`); int4 groups as :func:`_int4_bits_groups` (``xsum`` ``[NG]``),
+    int8 the row's scale once."""
+    if BITS:
+        words = _word_index(0, QUANT, GROUP, BLOCK_K)
+        w = _word_block(w_ptr.to(tl.pointer_type(tl.int32)), w_rows, words, row_ok, 0, K, QUANT, GROUP, BLOCK_K)
+        if QUANT == 4:
+            p = _int4_field(w, 0) * xs[0][None, :, :]
+            for i in tl.static_range(1, 8):
+                p += _int4_field(w, i) * xs[i][None, :, :]
+            return tl.sum(_int4_bits_groups(p, xsum, s_ptr, z_ptr, s_rows, row_ok, 0, K, GROUP, BLOCK_K), axis=1)
+        else:
+            p = _int8_field(w, 0) * xs[0][None, :]
+            for j in tl.static_range(1, 4):
+                p += _int8_field(w, j) * xs[j][None, :]
+            return tl.sum(p, axis=1) * tl.load(s_ptr + s_rows, mask=row_ok, other=0.0).to(tl.float32)
+    elif QUANT == 4:
         half = tl.arange(0, BLOCK_K // 2)
         ok = row_ok[:, None] & (2 * half < K)[None, :]
         b = tl.load(w_ptr + w_rows[:, None] + half[None, :], mask=ok, other=0)
@@ -442,7 +476,7 @@ def _tile_sums(w_ptr, s_ptr, z_ptr, w_rows, s_rows, row_ok, cols, col_ok, xf, xa
 def _gemv_tiles_kernel(
     x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, s_ptr, z_ptr, b_ptr, N, K, stride_wn, stride_sn, gate_offset, up_offset, eps,
     NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
-    BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    BIAS: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Persistent variant for rows that fit one block (``K <= BLOCK_K``): program p prepares
     ``x`` once (the RMSNorm prologue included), then walks the row tiles ``p, p + P, ...`` (P
@@ -451,23 +485,35 @@ def _gemv_tiles_kernel(
     reduces the tile before, instead of starting a new program (and its prologue) per tile.
     QUANT 8 or 4: quantized rows dequantized per row or group (:func:`_tile_sums`); ``x`` and,
     for int4, its even and odd columns and each group's sum are prepared once a program, where
-    the per-row-block kernel reads them again for every few rows. BIAS as there."""
+    the per-row-block kernel reads them again for every few rows. BITS: the rows read as int32
+    words (``stride_wn`` in words) and converted by bit logic, against ``x`` at each field
+    position (:func:`_x_fields`) and, for int4, each group's sum, prepared once a program too.
+    BIAS as there."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     dt = out_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK_K)
     col_ok = cols < K
     x = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
+    rstd = 0.0
     if NORM:
-        xs = x.to(tl.float32)
-        rstd = tl.math.rsqrt(tl.sum(xs * xs, axis=0) / K + eps)
+        squares = x.to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(squares * squares, axis=0) / K + eps)
         scale = tl.load(norm_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         x = _rms_normed(x, scale, rstd, dt)
     xf = x.to(tl.float32)[None, :]
     xa = xf
     xb = xf
     xsum = xf
-    if QUANT == 4:
+    xs = xf
+    if BITS:
+        xs = _x_fields(x_ptr, norm_ptr, _word_index(0, QUANT, GROUP, BLOCK_K), K, rstd, dt, NORM, QUANT)
+        if QUANT == 4:
+            xsum = xs[0]
+            for i in tl.static_range(1, 8):
+                xsum += xs[i]
+            xsum = tl.sum(xsum, axis=1)
+    elif QUANT == 4:
         xa, xb = tl.split(tl.reshape(x.to(tl.float32), (BLOCK_K // 2, 2)))
         xsum = tl.sum(tl.reshape(xa + xb, (BLOCK_K // GROUP, GROUP // 2)), axis=1)
     for tile in tl.range(pid, tl.cdiv(N, BLOCK_N), programs, num_stages=NUM_STAGES):
@@ -475,14 +521,14 @@ def _gemv_tiles_kernel(
         row_ok = rows < N
         gate_rows = (rows + gate_offset).to(tl.int64)
         proj = _tile_sums(w_ptr, s_ptr, z_ptr, gate_rows * stride_wn, gate_rows * stride_sn, row_ok, cols, col_ok, xf,
-                          xa, xb, xsum, K, QUANT, GROUP, BLOCK_N, BLOCK_K)
+                          xa, xb, xsum, xs, K, QUANT, GROUP, BITS, BLOCK_N, BLOCK_K)
         if BIAS:
             proj += tl.load(b_ptr + gate_rows, mask=row_ok, other=0.0).to(tl.float32)
         up = proj
         if GATED:
             up_rows = (rows + up_offset).to(tl.int64)
             up = _tile_sums(w_ptr, s_ptr, z_ptr, up_rows * stride_wn, up_rows * stride_sn, row_ok, cols, col_ok, xf,
-                            xa, xb, xsum, K, QUANT, GROUP, BLOCK_N, BLOCK_K)
+                            xa, xb, xsum, xs, K, QUANT, GROUP, BITS, BLOCK_N, BLOCK_K)
             if BIAS:
                 up += tl.load(b_ptr + up_rows, mask=row_ok, other=0.0).to(tl.float32)
         _finish(proj, up, out_ptr, res_ptr, rows, row_ok, GATED, RESIDUAL)
@@ -524,11 +570,11 @@ def _gemv(
 
 
 def _dequant_form(config: dict, quant: int, w: torch.Tensor, k: int, group_size: int) -> str:
-    """The rows kernel's dequantization form for ``config`` ("value", "group" or "bits"; float
-    weights: "value"): "bits" reads the weight as int32 words, so it falls back to "group" unless
-    a row is whole, 4-byte-aligned words (int4: ``k % 8 == 0``, int8: ``k % 4 == 0``; the row
-    stride and the weight's offset multiples of 4 bytes) and, for int4, a group is whole words
-    (``group_size % 8 == 0``)."""
+    """The dequantization form for ``config`` ("value", "group" or "bits"; float weights:
+    "value"; the tiles kernel reads per row or group unless "bits"): "bits" reads the weight as
+    int32 words, so it falls back to "group" unless a row is whole, 4-byte-aligned words (int4:
+    ``k % 8 == 0``, int8: ``k % 4 == 0``; the row stride and the weight's offset multiples of 4
+    bytes) and, for int4, a group is whole words (``group_size % 8 == 0``)."""
     form = config.get("dequant", "value") if quant else "value"
     if form == "bits":
         words = k % (8 if quant == 4 else 4) == 0 and (quant == 8 or group_size % 8 == 0)
@@ -540,14 +586,15 @@ def _dequant_form(config: dict, quant: int, w: torch.Tensor, k: int, group_size:
 def gemv_launch(x, w, norm_weight=None, eps=0.0, residual=None, gated=False, gate_first=True,
                 config: Optional[dict] = None, scales=None, zeros=None, group_size: int = 0, bias=None) -> torch.Tensor:
     """The op's body; ``config`` overrides :func:`_config` (``scripts/sweep_decode_kernels.py``
-    calls this eagerly to sweep launch configurations). Its ``"dequant"`` picks the rows kernel's
-    dequantization of a quantized weight: ``"group"`` (the default's) applies the scale once per
-    row (int8) or group (int4); ``"value"`` dequantizes each value as ``W'`` holds it
-    (:func:`_chunk`); ``"bits"`` computes what ``"group"`` computes, differing from it by fp32's
-    rounding only, without an int-to-float conversion a value: the weight is read as int32 words
-    and each field put into the mantissa of an fp32 constant by integer logic (int4: ``1 + q / 16``,
-    the offset and the scale folded into the group's terms; int8: ``2**23 + 128 + q``, less ``2**23 + 128``),
-    :func:`_bits_chunk`. "bits" falls back to "group" where a row is not whole, aligned int32
+    calls this eagerly to sweep launch configurations). Its ``"dequant"`` picks the dequantization
+    of a quantized weight: ``"group"`` (the default's) applies the scale once per row (int8) or
+    group (int4); ``"value"`` (the rows kernel; the tiles kernel reads by group then) dequantizes
+    each value as ``W'`` holds it (:func:`_chunk`); ``"bits"`` (both kernels) computes what
+    ``"group"`` computes, differing from it by fp32's rounding only, without an int-to-float
+    conversion a value: the weight is read as int32 words and each field put into the mantissa of
+    an fp32 constant by integer logic (int4: ``1 + q / 16``, the offset and the scale folded into
+    the group's terms; int8: ``2**23 + 128 + q``, less ``2**23 + 128``), :func:`_bits_chunk`,
+    :func:`_tile_sums`. "bits" falls back to "group" where a row is not whole, aligned int32
     words (:func:`_dequant_form`: int4 ``K % 8``, int8 ``K % 4``, the row stride or offset not a
     multiple of 4 bytes) or an int4 group is not (``group_size % 8``). With ``scales`` the weight
     is quantized (design section 11): int8 ``[N, K]`` and scales ``[N]``, or with ``zeros`` and
@@ -596,9 +643,11 @@ def gemv_launch(x, w, norm_weight=None, eps=0.0, residual=None, gated=False, gat
     if config["kernel"] == "tiles":
         torch._check(quant != 4 or group_size % 2 == 0, lambda: f"an int4 group holds whole bytes, not {group_size} values")
         programs = min(tiles, config["per_sm"] * sm_count(x.device))
-        args = (flat, w, out, norm, res, s_arg, z_arg, b_arg, n_out, k, w.stride(0), stride_sn, gate_offset, up_offset, eps)
+        bits = _dequant_form(config, quant, w, k, group_size) == "bits"
+        stride_wn = w.stride(0) // 4 if bits else w.stride(0)  # bits: in int32 words
+        args = (flat, w, out, norm, res, s_arg, z_arg, b_arg, n_out, k, stride_wn, stride_sn, gate_offset, up_offset, eps)
         torch.library.wrap_triton(_gemv_tiles_kernel)[(programs, 1, 1)](
-            *args, QUANT=quant, GROUP=max(group_size, 1), BIAS=bias is not None,
+            *args, QUANT=quant, GROUP=max(group_size, 1), BIAS=bias is not None, BITS=bits,
             BLOCK_K=max(_pow2_at_least(k), 2 * max(group_size, 1)), NUM_STAGES=config["num_stages"], **flags,
         )
     else:
