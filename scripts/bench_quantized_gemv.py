@@ -7,9 +7,10 @@ project's GEMV (``kernels/triton_gemv.py``, where its width limit admits it), in
 (group 128) through the same GEMV with its folds (default launch configuration and a few others),
 three forms of dequantization (per row or group, the default; per value, ``"dequant": "value"``;
 per row or group without an int-to-float conversion a value, ``"dequant": "bits"``, swept over the
-rows kernel's launches), and, for int4 without folds, tinygemm (``aten._weight_int4pack_mm``, the
-kernel gpt-fast's int4 path uses) as the contender. The step sums 16 layers of each projection plus the lm_head; the
-floor is the weights' bytes at the measured device copy rate.
+rows and tiles kernels' launches), and, for int4 without folds, tinygemm
+(``aten._weight_int4pack_mm``, the kernel gpt-fast's int4 path uses) as the contender. The step
+sums 16 layers of each projection plus the lm_head; the floor is the weights' bytes at the measured
+device copy rate.
 
     python scripts/bench_quantized_gemv.py --out quantized_gemv.json     # measures, writes report.md beside it
     python scripts/bench_quantized_gemv.py --report quantized_gemv.json  # report.md from a recorded run
@@ -45,7 +46,8 @@ CONFIGS = [(1, 1024, 4), (2, 1024, 4), (4, 1024, 4), (2, 2048, 4), (4, 2048, 8),
            (8, 1024, 8), (16, 256, 4), (16, 512, 4), (16, 512, 8), (32, 256, 8)]
 #: The persistent row-tile kernel over quantized rows: (BLOCK_N, programs per SM, warps, stages).
 #: It prepares x (the norm, int4's even/odd split and group sums) once a program instead of once
-#: every BLOCK_N rows; it holds a whole row, so rows up to TILES_MAX_K columns.
+#: every BLOCK_N rows; it holds a whole row, so rows up to TILES_MAX_K columns. Each swept per row or
+#: group ("tiles") and with "dequant": "bits" ("tilesbits").
 TILE_CONFIGS = [(1, 4, 4, 3), (2, 4, 4, 3), (4, 4, 4, 3), (4, 2, 8, 3), (8, 2, 8, 2), (8, 4, 8, 2)]
 TILES_MAX_K = 8192
 GROUP = 128
@@ -57,14 +59,20 @@ VARIANTS = {  # step variant: the weights it reads
     "gemv_int8_best": "int8", "gemv_int4_best": "int4", "gemv_int8_bits_best": "int8", "gemv_int4_bits_best": "int4",
 }  # *_best: for each projection the fastest launch measured for it (what a default tuned on this run gives) of
 #    the forms the default may take (per row or group: the rows and tiles kernels); *_bits_best: the fastest
-#    "bits" launch of the rows kernel
+#    "bits" launch of the rows and tiles kernels
+
+
+def _is_bits(key: str) -> bool:
+    """Whether a measured launch is a "bits" one (``gemv_{scheme}_bits_*``, ``gemv_{scheme}_tilesbits_*``)."""
+    return "_bits_" in key or "_tilesbits_" in key
 
 
 def _best_of(us: dict, scheme: str, bits: bool) -> str | None:
-    """The fastest launch measured of ``scheme`` among its "bits" launches, or (``bits`` false)
-    among the others except per value: the launches ``_best`` took before "bits" was swept."""
+    """The fastest launch measured of ``scheme`` among its "bits" launches (rows and tiles
+    kernels), or (``bits`` false) among the others except per value: the launches ``_best`` took
+    before "bits" was swept."""
     options = {key: t for key, t in us.items() if key.startswith(f"gemv_{scheme}") and "pervalue" not in key
-               and not key.endswith("_best") and ("_bits_" in key) == bits}
+               and not key.endswith("_best") and _is_bits(key) == bits}
     return min(options, key=options.get) if options else None
 
 
@@ -149,9 +157,10 @@ def main() -> None:
                      for form in ("group", "bits") for bn, bk, warps in CONFIGS
                      if not (form == "bits" and scheme == "int4" and bk < GROUP)}
             if k <= TILES_MAX_K:
-                sweep |= {f"gemv_{scheme}_tiles_{bn}r{per_sm}p{warps}w{stages}s": {
-                    "kernel": "tiles", "BLOCK_N": bn, "per_sm": per_sm, "num_warps": warps, "num_stages": stages}
-                    for bn, per_sm, warps, stages in TILE_CONFIGS}
+                for form, extra in (("tiles", {}), ("tilesbits", {"dequant": "bits"})):
+                    sweep |= {f"gemv_{scheme}_{form}_{bn}r{per_sm}p{warps}w{stages}s": {
+                        "kernel": "tiles", "BLOCK_N": bn, "per_sm": per_sm, "num_warps": warps, "num_stages": stages,
+                        **extra} for bn, per_sm, warps, stages in TILE_CONFIGS}
             for key, config in sweep.items():
                 try:
                     row["us"][key] = replay_us(lambda: run(config), copies)
