@@ -151,7 +151,7 @@ def main() -> None:
                                    group_size=group or 0)
 
             row["us"][f"gemv_{scheme}"] = replay_us(run, copies)
-            row["us"][f"gemv_{scheme}_pervalue"] = replay_us(lambda: run(tg._config(k, gated, True, n) | {"dequant": "value"}), copies)
+            row["us"][f"gemv_{scheme}_pervalue"] = replay_us(lambda: run(tg._config(k, gated, 4 if group else 8, n) | {"dequant": "value"}), copies)
             sweep = {f"gemv_{scheme}_{form}_{bn}x{bk}w{warps}": {"kernel": "rows", "BLOCK_N": bn, "BLOCK_K": bk,
                                                                    "num_warps": warps, "dequant": form}
                      for form in ("group", "bits") for bn, bk, warps in CONFIGS

@@ -43,7 +43,7 @@ def test_interp_quantized_gemv_matches_the_float_folds_over_w_prime(n, k, norm, 
 
     x, w, nw, res = _fold_inputs(n, k, torch.float32, norm, gated, residual)
     stored, w_prime = _quantized(w, scheme, group)
-    config = _config(k, gated, quantized=True, n=n) | {"dequant": dequant}
+    config = _config(k, gated, quantized=4 if group else 8, n=n) | {"dequant": dequant}
     got = gemv_launch(x, stored.qweight, nw, 1e-5, res, gated, gate_first, config, scales=stored.scales,
                       zeros=stored.zeros, group_size=group or 0)
     want = _eager_folds(x, w_prime, nw, 1e-5, res, gated, gate_first)
@@ -58,17 +58,18 @@ def test_interp_quantized_gemv_matches_the_float_folds_over_w_prime(n, k, norm, 
 @pytest.mark.parametrize("norm, gated, gate_first, residual", FOLDS[:3])
 def test_interp_wide_projection_configuration_matches_the_float_folds(norm, gated, gate_first, residual, scheme, group):
     """The launch configuration the default gives wide quantized projections on a small weight,
-    against ``W'``: gate|up 8 rows x 512 columns a program, per row or group; an lm_head (not gated,
-    rows up to 2048 columns) the persistent kernel, 4 rows a tile."""
+    against ``W'``: rows up to 2048 columns take the persistent kernel in the "bits" form, an
+    lm_head (not gated) 4 rows a tile, gate|up 8 (int4) or 2 (int8) rows a tile; longer rows (the
+    8B shapes, not measured) the rows kernel, 8 rows x 512 columns a program, per row or group."""
     from offgraph_export.kernels.triton_gemv import _QUANT_WIDE_ROWS, _config, gemv_launch
 
     n, k = 48, 1152
-    config = _config(k, gated, quantized=True, n=_QUANT_WIDE_ROWS)
-    if gated:
-        assert (config["kernel"], config["BLOCK_N"], config["BLOCK_K"], config["dequant"]) == ("rows", 8, 512, "group")
-    else:
-        assert (config["kernel"], config["BLOCK_N"], config["per_sm"]) == ("tiles", 4, 4)
-    assert _config(4096, gated, quantized=True, n=_QUANT_WIDE_ROWS)["kernel"] == "rows"  # the 8B lm_head: not measured
+    bits = 4 if group else 8
+    config = _config(k, gated, quantized=bits, n=_QUANT_WIDE_ROWS)
+    tile_rows = (8 if bits == 4 else 2) if gated else 4
+    assert (config["kernel"], config["BLOCK_N"], config["dequant"]) == ("tiles", tile_rows, "bits")
+    longer = _config(4096, gated, quantized=bits, n=_QUANT_WIDE_ROWS)
+    assert (longer["kernel"], longer["BLOCK_N"], longer["BLOCK_K"], longer["dequant"]) == ("rows", 8, 512, "group")
     x, w, nw, res = _fold_inputs(n, k, torch.float32, norm, gated, residual)
     stored, w_prime = _quantized(w, scheme, group)
     got = gemv_launch(x, stored.qweight, nw, 1e-5, res, gated, gate_first, config, scales=stored.scales,
@@ -132,7 +133,7 @@ def test_interp_bits_form_with_a_bias_and_where_it_falls_back(norm, gated, gate_
     b = torch.randn(n, generator=torch.Generator().manual_seed(5))
     stored, w_prime = _quantized(w, scheme, group)
     qweight = _laid_out(stored.qweight, layout)
-    config = _config(k, gated, quantized=True, n=n) | {"dequant": "bits"}
+    config = _config(k, gated, quantized=4 if group else 8, n=n) | {"dequant": "bits"}
     assert _dequant_form(config, 4 if group else 8, qweight, k, group or 0) == form
     got = gemv_launch(x, qweight, nw, 1e-5, res, gated, gate_first, config, scales=stored.scales,
                       zeros=stored.zeros, group_size=group or 0, bias=b)
@@ -242,7 +243,7 @@ def test_quantized_gemv_bits_form_matches_on_cuda(n, k, norm, gated, gate_first,
     want = _eager_folds(x.double(), w_prime.double(), None if nw is None else nw.double(), 1e-5,
                         None if res is None else res.double(), gated, gate_first)
     eager = _eager_folds(x, w_prime, nw, 1e-5, res, gated, gate_first)
-    config = _config(k, gated, quantized=True, n=n)
+    config = _config(k, gated, quantized=4 if group else 8, n=n)
     if config["kernel"] != "rows":
         config = {"kernel": "rows", "BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4}
     config = config | {"dequant": "bits"}
@@ -297,6 +298,29 @@ def test_quantized_tiles_kernel_bits_form_matches_on_cuda(n, k, norm, gated, gat
     """The persistent kernel's ``"dequant": "bits"`` in bf16 at the same shapes (the lm_head's
     default tile launch among them), as close to a float64 recompute over ``W'`` as eager is."""
     _tiles_cuda_case(n, k, norm, gated, gate_first, residual, scheme, group, {"dequant": "bits"})
+
+
+@needs_triton
+def test_quantized_defaults_take_the_bits_form_where_the_sweep_found_it_faster():
+    """The 1B shapes' default launches (H100 sweep, triton_gemv's comment on ``_config``): int8
+    reads words ("bits") on every projection; int4 on the tiles kernel (lm_head, gate|up) only, its
+    rows kernel keeping the per-group form; rows longer than 2048 columns keep the rows kernel."""
+    from offgraph_export.kernels.triton_gemv import _config
+
+    shapes = {"qkv": (3072, 2048, False), "o": (2048, 2048, False), "gate|up": (16384, 2048, True),
+              "down": (2048, 8192, False), "lm_head": (128256, 2048, False)}
+    forms = {(name, bits): (_config(k, gated, bits, n)["kernel"], _config(k, gated, bits, n)["dequant"])
+             for name, (n, k, gated) in shapes.items() for bits in (8, 4)}
+    assert forms == {
+        ("qkv", 8): ("rows", "bits"), ("qkv", 4): ("rows", "group"),
+        ("o", 8): ("rows", "bits"), ("o", 4): ("rows", "group"),
+        ("gate|up", 8): ("tiles", "bits"), ("gate|up", 4): ("tiles", "bits"),
+        ("down", 8): ("rows", "bits"), ("down", 4): ("rows", "group"),
+        ("lm_head", 8): ("tiles", "bits"), ("lm_head", 4): ("tiles", "bits"),
+    }
+    # the 8B shapes (K = 4096, not measured) keep the rows kernel for the gated and lm_head projections
+    assert _config(4096, True, 4, 28672)["kernel"] == _config(4096, False, 4, 128256)["kernel"] == "rows"
+    assert "dequant" not in _config(2048, True, 0, 16384)  # float weights: unchanged
 
 
 @needs_triton

@@ -103,20 +103,36 @@ _QUANT_WIDE_ROWS = 16384
 _QUANT_TILE_MAX_K = 2048
 
 
-def _config(k: int, gated: bool = False, quantized: bool = False, n: int = 0, bias: bool = False) -> dict:
+# The "bits" form (:func:`_bits_chunk`, no int-to-float conversion a value) where it won, from one
+# sweep on an H100 (``benchmarks/h100-2026-12-07-bits``, torch 2.11, the 1B shapes with their folds,
+# int4 group 128, us per projection, the default before -> after): the lm_head's tiles launch int4
+# 122.7 -> 79.3 (tinygemm 75.4), int8 93.5 -> 91.2; the gated gate|up projection (K <= 2048) on the
+# tiles kernel, int4 8 rows 2 programs an SM 8 warps 21.4 -> 17.3, int8 2 rows 4 programs 18.6 ->
+# 17.2; int8 rows everywhere else (q|k|v 6.7 -> 6.2, output 4.9 -> 4.7, down at K = 8192 with 8
+# warps 10.2 -> 9.0). The int4 rows kernel keeps the per-group form: "bits" there was slower
+# (q|k|v 7.8 -> 8.4, down 14.2 -> 14.7: it reads x once a field position a chunk). Not measured on
+# an H200 nor at the 8B shapes (K = 4096: the gated and lm_head projections keep the rows kernel).
+def _config(k: int, gated: bool = False, quantized: int = 0, n: int = 0, bias: bool = False) -> dict:
     """The kernel and its launch parameters for ``n`` weight rows of ``k`` columns: ``kernel``
     "rows" (:func:`_gemv_kernel`: ``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``dequant``) or "tiles"
     (:func:`_gemv_tiles_kernel`: ``BLOCK_N``, ``per_sm`` programs, ``num_warps``, ``num_stages``,
-    optionally ``dequant``). ``quantized``: the weight is int8/int4 (the rows kernel, dequantized
-    per row or group); ``bias``: the linear adds one (the rows kernel: the tiles kernel takes one,
-    but its launch was swept without). The tiles kernel also reads quantized rows, per row or
-    group (or "bits" where a launch asks; no default does), the default for a wide quantized
-    lm_head (:data:`_QUANT_TILE_MAX_K`)."""
+    optionally ``dequant``). ``quantized``: the weight's bits, 8 or 4 (0: float), whose launches
+    and dequantization forms the sweep in the comment above chose; ``bias``: the linear adds one
+    (the rows kernel: the tiles kernel takes one, but its launch was swept without)."""
     if quantized:
-        if n >= _QUANT_WIDE_ROWS and not gated and k <= _QUANT_TILE_MAX_K:
-            return {"kernel": "tiles", "BLOCK_N": 4, "per_sm": 4, "num_warps": 4, "num_stages": 3}
+        bits = {"dequant": "bits"}
+        if n >= _QUANT_WIDE_ROWS and k <= _QUANT_TILE_MAX_K and not gated:  # the lm_head
+            return {"kernel": "tiles", "BLOCK_N": 4, "per_sm": 4, "num_warps": 4, "num_stages": 3, **bits}
+        if n >= _QUANT_WIDE_ROWS and k <= _QUANT_TILE_MAX_K and not bias:  # gate|up
+            if quantized == 4:
+                return {"kernel": "tiles", "BLOCK_N": 8, "per_sm": 2, "num_warps": 8, "num_stages": 2, **bits}
+            return {"kernel": "tiles", "BLOCK_N": 2, "per_sm": 4, "num_warps": 4, "num_stages": 3, **bits}
         if n >= _QUANT_WIDE_ROWS:
             return {"kernel": "rows", "BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "dequant": "group"}
+        if quantized == 8:
+            if k >= _LONG_ROWS:
+                return {"kernel": "rows", "BLOCK_N": 4, "BLOCK_K": 2048, "num_warps": 8, **bits}
+            return {"kernel": "rows", "BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, **bits}
         if k >= _LONG_ROWS:
             return {"kernel": "rows", "BLOCK_N": 4, "BLOCK_K": 2048, "num_warps": 4, "dequant": "group"}
         return {"kernel": "rows", "BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, "dequant": "group"}
@@ -633,7 +649,7 @@ def gemv_launch(x, w, norm_weight=None, eps=0.0, residual=None, gated=False, gat
         torch._check(bias.shape == (n,), lambda: f"the bias must have shape ({n},)")
         bias = bias.contiguous()
     if config is None:
-        config = _config(k, gated, bool(quant), n, bias is not None)
+        config = _config(k, gated, quant, n, bias is not None)
     flags = dict(NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None,
                  BLOCK_N=config["BLOCK_N"], num_warps=config["num_warps"])
     tiles = triton.cdiv(n_out, config["BLOCK_N"])
