@@ -242,16 +242,18 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def quantized_weight_bytes(model: torch.nn.Module, scheme: str, group: int | None) -> int:
     """What :func:`weight_bytes` counts when every linear (the lm_head included) is stored as
-    ``scheme`` (design section 11): int8 ``[N, K]`` and ``N`` scales; int4 ``[N, K / 2]`` and
-    ``N x K / group`` scales and zeros, both in the model's dtype; biases and every other weight
-    as they are (the input embedding table, one row a token, left out)."""
+    ``scheme``: the stored tensors the quantization rule makes of each weight (``quantize``, run on
+    meta copies: shapes and dtypes only), biases and every other weight as they are (the input
+    embedding table, one row a token, left out)."""
+    from offgraph_export.reference.weight_quant import quantize
+
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     quantized = {id(m.weight) for m in linears}
     table = model.get_input_embeddings().weight
     total = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in quantized and p is not table)
     for m in linears:
-        (n, k), size = m.weight.shape, m.weight.element_size()
-        total += n * k + n * size if scheme == "int8" else n * k // 2 + 2 * n * (k // group) * size
+        stored = quantize(torch.empty(m.weight.shape, dtype=m.weight.dtype, device="meta"), scheme, group)
+        total += sum(t.numel() * t.element_size() for t in stored.tensors().values())
     return total
 
 

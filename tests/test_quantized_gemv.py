@@ -208,6 +208,20 @@ CUDA_CASES = [(n, k, *fold) for n, k in [(3072, 2048), (2048, 8192), (16384, 204
               for fold in FOLDS[:4] if not (fold[1] and n > 16384)]
 
 
+def _float64_and_eager(x, w_prime, nw, res, gated, gate_first):
+    """The folds over ``W'`` recomputed in float64 (the oracle) and in eager at ``x``'s dtype."""
+    want = _eager_folds(x.double(), w_prime.double(), None if nw is None else nw.double(), 1e-5,
+                        None if res is None else res.double(), gated, gate_first)
+    return want, _eager_folds(x, w_prime, nw, 1e-5, res, gated, gate_first)
+
+
+def _assert_as_close_as_eager(got, want, eager):
+    """``got`` is as close to the float64 ``want`` as eager bf16 is (within 1.5x, plus 1e-3)."""
+    err = ((got.double() - want).norm() / want.norm()).item()
+    eager_err = ((eager.double() - want).norm() / want.norm()).item()
+    assert err <= 1.5 * eager_err + 1e-3, f"GEMV error {err:.2e} vs eager bf16 {eager_err:.2e}"
+
+
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("scheme,group", SCHEMES)
@@ -219,13 +233,9 @@ def test_quantized_gemv_matches_on_cuda(n, k, norm, gated, gate_first, residual,
 
     x, w, nw, res = _fold_inputs(n, k, torch.bfloat16, norm, gated, residual, device="cuda", seed=7)
     stored, w_prime = _quantized(w, scheme, group)
-    want = _eager_folds(x.double(), w_prime.double(), None if nw is None else nw.double(), 1e-5,
-                        None if res is None else res.double(), gated, gate_first)
-    eager = _eager_folds(x, w_prime, nw, 1e-5, res, gated, gate_first)
+    want, eager = _float64_and_eager(x, w_prime, nw, res, gated, gate_first)
     got = triton_gemv(x, stored.qweight, nw, 1e-5, res, gated, gate_first, stored.scales, stored.zeros, group or 0)
-    err = ((got.double() - want).norm() / want.norm()).item()
-    eager_err = ((eager.double() - want).norm() / want.norm()).item()
-    assert err <= 1.5 * eager_err + 1e-3, f"GEMV error {err:.2e} vs eager bf16 {eager_err:.2e}"
+    _assert_as_close_as_eager(got, want, eager)
 
 
 @pytest.mark.cuda
@@ -240,9 +250,7 @@ def test_quantized_gemv_bits_form_matches_on_cuda(n, k, norm, gated, gate_first,
 
     x, w, nw, res = _fold_inputs(n, k, torch.bfloat16, norm, gated, residual, device="cuda", seed=7)
     stored, w_prime = _quantized(w, scheme, group)
-    want = _eager_folds(x.double(), w_prime.double(), None if nw is None else nw.double(), 1e-5,
-                        None if res is None else res.double(), gated, gate_first)
-    eager = _eager_folds(x, w_prime, nw, 1e-5, res, gated, gate_first)
+    want, eager = _float64_and_eager(x, w_prime, nw, res, gated, gate_first)
     config = _config(k, gated, quantized=4 if group else 8, n=n)
     if config["kernel"] != "rows":
         config = {"kernel": "rows", "BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4}
@@ -250,9 +258,7 @@ def test_quantized_gemv_bits_form_matches_on_cuda(n, k, norm, gated, gate_first,
     assert _dequant_form(config, 4 if group else 8, stored.qweight, k, group or 0) == "bits"
     got = gemv_launch(x, stored.qweight, nw, 1e-5, res, gated, gate_first, config, scales=stored.scales,
                       zeros=stored.zeros, group_size=group or 0)
-    err = ((got.double() - want).norm() / want.norm()).item()
-    eager_err = ((eager.double() - want).norm() / want.norm()).item()
-    assert err <= 1.5 * eager_err + 1e-3, f"GEMV error {err:.2e} vs eager bf16 {eager_err:.2e}"
+    _assert_as_close_as_eager(got, want, eager)
 
 
 #: the persistent kernel's quantized CUDA cases at the Llama-1B shapes
@@ -267,17 +273,13 @@ def _tiles_cuda_case(n, k, norm, gated, gate_first, residual, scheme, group, deq
 
     x, w, nw, res = _fold_inputs(n, k, torch.bfloat16, norm, gated, residual, device="cuda", seed=7)
     stored, w_prime = _quantized(w, scheme, group)
-    want = _eager_folds(x.double(), w_prime.double(), None if nw is None else nw.double(), 1e-5,
-                        None if res is None else res.double(), gated, gate_first)
-    eager = _eager_folds(x, w_prime, nw, 1e-5, res, gated, gate_first)
+    want, eager = _float64_and_eager(x, w_prime, nw, res, gated, gate_first)
     config = {"kernel": "tiles", "BLOCK_N": 4, "per_sm": 4, "num_warps": 8 if k > 4096 else 4, "num_stages": 3} | dequant
     if dequant:
         assert _dequant_form(config, 4 if group else 8, stored.qweight, k, group or 0) == "bits"
     got = gemv_launch(x, stored.qweight, nw, 1e-5, res, gated, gate_first, config, scales=stored.scales,
                       zeros=stored.zeros, group_size=group or 0)
-    err = ((got.double() - want).norm() / want.norm()).item()
-    eager_err = ((eager.double() - want).norm() / want.norm()).item()
-    assert err <= 1.5 * eager_err + 1e-3, f"GEMV error {err:.2e} vs eager bf16 {eager_err:.2e}"
+    _assert_as_close_as_eager(got, want, eager)
 
 
 @pytest.mark.cuda
@@ -390,6 +392,4 @@ def test_gemv_at_the_7b_8b_shapes_on_cuda(n, k, gated):
     want = _eager_folds(x.double(), w.double(), nw.double(), 1e-5, None, gated, True, bias=bias.double())
     eager = _eager_folds(x, w, nw, 1e-5, None, gated, True, bias=bias)
     got = triton_gemv(x, w, nw, 1e-5, None, gated, True, bias=bias)
-    err = ((got.double() - want).norm() / want.norm()).item()
-    eager_err = ((eager.double() - want).norm() / want.norm()).item()
-    assert err <= 1.5 * eager_err + 1e-3, f"GEMV error {err:.2e} vs eager bf16 {eager_err:.2e}"
+    _assert_as_close_as_eager(got, want, eager)

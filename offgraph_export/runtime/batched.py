@@ -82,14 +82,12 @@ class _Session:
 
 @dataclass
 class _Staging:
-    """One width's ``[2, row]`` views of the runner's token buffers: device, host (pinned on
-    cuda) and the host's numpy view (a numpy store costs ~0.1 us, a tensor ``__setitem__`` ~5)."""
+    """One width's ``[2, row]`` views of the runner's token buffers: device, and a numpy view of
+    the host's (pinned on cuda; a numpy store costs ~0.1 us, a tensor ``__setitem__`` ~5)."""
 
     dev_long: torch.Tensor  # tokens, positions
-    host_long: torch.Tensor
     np_long: object
     dev_int: torch.Tensor  # slots, rows
-    host_int: torch.Tensor
     np_int: object
     #: the program's inputs for this width (views of the fixed buffers, the storage): made once
     inputs: list[torch.Tensor] = field(default_factory=list)
@@ -175,10 +173,10 @@ class BatchedRunner:
         # contiguous on both sides), then the sessions' lengths (int32). Every region starts
         # 16-byte aligned, as compiled kernels assume.
         long_bytes, int_bytes = 2 * width * 8, 2 * width * 4
-        self._staged_bytes = long_bytes + int_bytes + _aligned(paging.slots) * 4
+        staged_bytes = long_bytes + int_bytes + _aligned(paging.slots) * 4
         pin = self.device.type == "cuda"
-        self._dev_staged = torch.zeros(self._staged_bytes, dtype=torch.uint8, device=self.device)
-        self._host_staged = torch.zeros(self._staged_bytes, dtype=torch.uint8, pin_memory=pin)
+        self._dev_staged = torch.zeros(staged_bytes, dtype=torch.uint8, device=self.device)
+        self._host_staged = torch.zeros(staged_bytes, dtype=torch.uint8, pin_memory=pin)
 
         def regions(buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             lengths = long_bytes + int_bytes
@@ -467,10 +465,9 @@ class BatchedRunner:
         if views is None:
             row = _aligned(width)  # each view's second row 16-byte aligned, as compiled kernels assume
             n = 2 * row
-            host_long, host_int = self._host_long[:n].view(2, row), self._host_int[:n].view(2, row)
             views = self._staging[width] = _Staging(
-                self._long[:n].view(2, row), host_long, host_long.numpy(),
-                self._int[:n].view(2, row), host_int, host_int.numpy(),
+                self._long[:n].view(2, row), self._host_long[:n].view(2, row).numpy(),
+                self._int[:n].view(2, row), self._host_int[:n].view(2, row).numpy(),
             )
         return views
 
