@@ -108,7 +108,7 @@ def report(data: dict) -> str:
                          f"{best.get('int8_bits') or '-'} | {best.get('int4_bits') or '-'} |")
     lines += ["", "A bf16 step at or above 100% of the floor means the copy rate read here is below what the card's "
               "weight reads reach: compare the variants with each other first."]
-    lines += ["", "Command: `python scripts/bench_quantized_gemv.py --out quantized_gemv.json` (in `scripts/gpu_quantized.sh`)."]
+    lines += ["", "Command: `python scripts/bench_quantized_gemv.py --out quantized_gemv.json` (in `scripts/gpu_quantized.sh kernels OUT`)."]
     return "\n".join(lines) + "\n"
 
 

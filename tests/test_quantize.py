@@ -469,9 +469,9 @@ def test_int4_transformers_qwen2_with_biases_rings_and_tied_embeddings(tmp_path_
 @pytest.mark.cuda
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_cuda_quantized_example_checks_with_and_without_graphs(scheme, tmp_path_factory):
-    """bf16 on cuda, the decode method included (its GEMV folds skip the quantized linears: the
-    compiler's kernels compute them from the dequantized weight), ordinary launches and CUDA graphs;
-    the package stores the quantized form only."""
+    """bf16 on cuda, the decode method included (its GEMV folds read the quantized weights and
+    dequantize in registers, design section 11), ordinary launches and CUDA graphs; the package
+    stores the quantized form only."""
     from offgraph_export.check import check_artifact
     from offgraph_export.frontends import load_bundle
     from offgraph_export.models import cast_bundle
