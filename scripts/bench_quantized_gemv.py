@@ -7,7 +7,8 @@ project's GEMV (``kernels/triton_gemv.py``, where its width limit admits it), in
 (group 128) through the same GEMV with its folds (default launch configuration and a few others),
 three forms of dequantization (per row or group, the default; per value, ``"dequant": "value"``;
 per row or group without an int-to-float conversion a value, ``"dequant": "bits"``, swept over the
-rows and tiles kernels' launches), and, for int4 without folds, tinygemm
+rows and tiles kernels' launches, and the same with ``"x": "split"``, the chunk's ``x`` read once
+and split into the words' field positions in registers), and, for int4 without folds, tinygemm
 (``aten._weight_int4pack_mm``, the kernel gpt-fast's int4 path uses) as the contender. The step
 sums 16 layers of each projection plus the lm_head; the floor is the weights' bytes at the measured
 device copy rate.
@@ -49,6 +50,10 @@ CONFIGS = [(1, 1024, 4), (2, 1024, 4), (4, 1024, 4), (2, 2048, 4), (4, 2048, 8),
 #: every BLOCK_N rows; it holds a whole row, so rows up to TILES_MAX_K columns. Each swept per row or
 #: group ("tiles") and with "dequant": "bits" ("tilesbits").
 TILE_CONFIGS = [(1, 4, 4, 3), (2, 4, 4, 3), (4, 4, 4, 3), (4, 2, 8, 3), (8, 2, 8, 2), (8, 4, 8, 2)]
+#: The rows kernel's launches swept with "x": "split" too ("bitsx"; the tiles kernel's: "tilesbitsx",
+#: all of TILE_CONFIGS): those near the fastest "bits" launches of the last sweep
+#: (``benchmarks/h100-2026-12-07-quantized-step/gemv``).
+SPLIT_CONFIGS = [(4, 1024, 4), (4, 2048, 8), (8, 512, 4), (8, 1024, 8), (16, 512, 4)]
 TILES_MAX_K = 8192
 GROUP = 128
 
@@ -57,22 +62,26 @@ VARIANTS = {  # step variant: the weights it reads
     "cublas_bf16": "bf16", "gemv_bf16": "bf16", "gemv_int8": "int8", "gemv_int8_pervalue": "int8",
     "gemv_int4": "int4", "gemv_int4_pervalue": "int4", "tinygemm_int4": "int4",
     "gemv_int8_best": "int8", "gemv_int4_best": "int4", "gemv_int8_bits_best": "int8", "gemv_int4_bits_best": "int4",
+    "gemv_int8_bitsx_best": "int8", "gemv_int4_bitsx_best": "int4",
 }  # *_best: for each projection the fastest launch measured for it (what a default tuned on this run gives) of
 #    the forms the default may take (per row or group: the rows and tiles kernels); *_bits_best: the fastest
-#    "bits" launch of the rows and tiles kernels
+#    "bits" launch of the rows and tiles kernels; *_bitsx_best: the fastest "bits" launch with "x": "split"
+FORMS = ("plain", "bits", "bitsx")
 
 
-def _is_bits(key: str) -> bool:
-    """Whether a measured launch is a "bits" one (``gemv_{scheme}_bits_*``, ``gemv_{scheme}_tilesbits_*``)."""
-    return "_bits_" in key or "_tilesbits_" in key
+def _form(key: str) -> str:
+    """A measured launch's form: "bitsx" (``gemv_{scheme}_bitsx_*``, ``_tilesbitsx_*``), "bits"
+    (``_bits_*``, ``_tilesbits_*``) or "plain" (per row or group, per value)."""
+    if "_bitsx_" in key or "_tilesbitsx_" in key:
+        return "bitsx"
+    return "bits" if "_bits_" in key or "_tilesbits_" in key else "plain"
 
 
-def _best_of(us: dict, scheme: str, bits: bool) -> str | None:
-    """The fastest launch measured of ``scheme`` among its "bits" launches (rows and tiles
-    kernels), or (``bits`` false) among the others except per value: the launches ``_best`` took
-    before "bits" was swept."""
+def _best_of(us: dict, scheme: str, form: str) -> str | None:
+    """The fastest launch measured of ``scheme`` in ``form`` (:func:`_form`; rows and tiles
+    kernels), per value left out: "plain" is what ``_best`` took before "bits" was swept."""
     options = {key: t for key, t in us.items() if key.startswith(f"gemv_{scheme}") and "pervalue" not in key
-               and not key.endswith("_best") and _is_bits(key) == bits}
+               and not key.endswith("_best") and _form(key) == form}
     return min(options, key=options.get) if options else None
 
 
@@ -83,7 +92,7 @@ def report(data: dict) -> str:
     lines = [
         "# Decode GEMV over quantized weights, Llama-3.2-1B shapes",
         "",
-        f"{data['device']}, torch {data['torch']}; copy rate {rate / 1e12:.2f} TB/s (one graph-replayed 1 GiB copy, "
+        f"{data['device']}, torch {data['torch']}; copy rate {rate / 1e12:.2f} TB/s (a 1 GiB copy, "
         "read + write). One projection of 16 layers (lm_head: of several copies) in one CUDA graph, median us per call.",
         "",
         "| projection | " + " | ".join(VARIANTS) + " |",
@@ -99,13 +108,14 @@ def report(data: dict) -> str:
             continue
         us, floor = data["step_us"][variant], data["floor_us"][weights]
         lines.append(f"| {variant} | {us:,.1f} | {data['weight_bytes'][weights] / 1e9:.3f} GB | {floor:,.1f} | {100 * floor / us:.0f}% |")
-    lines += ["", "| projection | fastest int8 launch | fastest int4 launch | fastest int8 bits launch | fastest int4 bits launch |",
-              "|---|---|---|---|---|"]
+    labels = [f"{scheme}{'' if form == 'plain' else '_' + form}" for form in FORMS for scheme in ("int8", "int4")]
+    lines += ["", "| projection | " + " | ".join(f"fastest {label.replace('_', ' ')} launch" for label in labels) + " |",
+              "|---|" + "---|" * len(labels)]
     for row in data["rows"]:
         if "best" in row:
             best = row["best"]
-            lines.append(f"| {row['shape'].replace('|', chr(92) + '|')} | {best['int8']} | {best['int4']} | "
-                         f"{best.get('int8_bits') or '-'} | {best.get('int4_bits') or '-'} |")
+            lines.append(f"| {row['shape'].replace('|', chr(92) + '|')} | "
+                         + " | ".join(best.get(label) or "-" for label in labels) + " |")
     lines += ["", "A bf16 step at or above 100% of the floor means the copy rate read here is below what the card's "
               "weight reads reach: compare the variants with each other first."]
     lines += ["", "Command: `python scripts/bench_quantized_gemv.py --out quantized_gemv.json` (in `scripts/gpu_quantized.sh kernels OUT`)."]
@@ -156,8 +166,12 @@ def main() -> None:
                                                                    "num_warps": warps, "dequant": form}
                      for form in ("group", "bits") for bn, bk, warps in CONFIGS
                      if not (form == "bits" and scheme == "int4" and bk < GROUP)}
+            sweep |= {f"gemv_{scheme}_bitsx_{bn}x{bk}w{warps}": {"kernel": "rows", "BLOCK_N": bn, "BLOCK_K": bk,
+                                                               "num_warps": warps, "dequant": "bits", "x": "split"}
+                      for bn, bk, warps in SPLIT_CONFIGS}
             if k <= TILES_MAX_K:
-                for form, extra in (("tiles", {}), ("tilesbits", {"dequant": "bits"})):
+                for form, extra in (("tiles", {}), ("tilesbits", {"dequant": "bits"}),
+                                    ("tilesbitsx", {"dequant": "bits", "x": "split"})):
                     sweep |= {f"gemv_{scheme}_{form}_{bn}r{per_sm}p{warps}w{stages}s": {
                         "kernel": "tiles", "BLOCK_N": bn, "per_sm": per_sm, "num_warps": warps, "num_stages": stages,
                         **extra} for bn, per_sm, warps, stages in TILE_CONFIGS}
@@ -181,9 +195,9 @@ def main() -> None:
             del stored
         best = {}
         for scheme in ("int8", "int4"):
-            for bits in (False, True):
-                key = _best_of(row["us"], scheme, bits)
-                label = f"{scheme}_bits" if bits else scheme
+            for form in FORMS:
+                key = _best_of(row["us"], scheme, form)
+                label = scheme if form == "plain" else f"{scheme}_{form}"
                 best[label] = key
                 if key is not None:
                     row["us"][f"gemv_{label}_best"] = row["us"][key]
@@ -194,8 +208,8 @@ def main() -> None:
         torch.cuda.empty_cache()
     step = {}
     for variant in VARIANTS:
-        if variant.endswith("_bits_best") and not all(variant in row["us"] for row in rows):
-            continue  # no "bits" launch ran for some projection: no step to sum
+        if variant.endswith(("_bits_best", "_bitsx_best")) and not all(variant in row["us"] for row in rows):
+            continue  # no such launch ran for some projection: no step to sum
         total = 0.0
         for row in rows:
             us = row["us"].get(variant) or row["us"].get("gemv_bf16" if variant == "gemv_bf16" else "cublas_bf16")

@@ -203,6 +203,36 @@ def test_interp_tiles_kernel_bits_form_where_it_falls_back(norm, gated, gate_fir
     assert (got - _eager_folds(x, w, nw, 1e-5, res, gated, gate_first, bias=b)).abs().max() > 1e-4
 
 
+#: the "bits" launches of both kernels whose ``x`` the option ``"x": "split"`` changes
+X_SPLIT_CONFIGS = [{"kernel": "rows", "BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 4, "dequant": "bits"},
+                   {"kernel": "tiles", "BLOCK_N": 4, "per_sm": 1, "num_warps": 4, "num_stages": 2, "dequant": "bits"}]
+
+
+@interpreter_only
+@pytest.mark.parametrize("config", X_SPLIT_CONFIGS, ids=lambda c: c["kernel"])
+@pytest.mark.parametrize("scheme,group", SCHEMES)
+@pytest.mark.parametrize("norm, gated, gate_first, residual", FOLDS)
+def test_interp_x_split_reads_the_same_x_as_the_strided_fields(norm, gated, gate_first, residual, scheme, group, config):
+    """``"x": "split"`` (the chunk's ``x`` read once and split into the words' field positions in
+    registers) gives exactly the sums of the "bits" form that reads ``x`` at each field position
+    (the same values in the same order), and both match the float folds over ``W'``; 1152 columns:
+    the rows kernel's last chunk partial, the tiles kernel's ``x`` past ``K`` masked."""
+    from offgraph_export.kernels.triton_gemv import _dequant_form, gemv_launch
+
+    n, k = 96, 1152
+    x, w, nw, res = _fold_inputs(n, k, torch.float32, norm, gated, residual)
+    b = torch.randn(n, generator=torch.Generator().manual_seed(5))
+    stored, w_prime = _quantized(w, scheme, group)
+    assert _dequant_form(config, 4 if group else 8, stored.qweight, k, group or 0) == "bits"
+    launch = dict(scales=stored.scales, zeros=stored.zeros, group_size=group or 0, bias=b)
+    fields = gemv_launch(x, stored.qweight, nw, 1e-5, res, gated, gate_first, config, **launch)
+    split = gemv_launch(x, stored.qweight, nw, 1e-5, res, gated, gate_first, config | {"x": "split"}, **launch)
+    assert torch.equal(split, fields)
+    want = _eager_folds(x, w_prime, nw, 1e-5, res, gated, gate_first, bias=b)
+    torch.testing.assert_close(split, want, atol=3e-5, rtol=3e-5)
+    assert (split - _eager_folds(x, w, nw, 1e-5, res, gated, gate_first, bias=b)).abs().max() > 1e-4
+
+
 #: (n, k) and folds at the Llama-1B shapes; the lm_head (128256 rows) is never gated
 CUDA_CASES = [(n, k, *fold) for n, k in [(3072, 2048), (2048, 8192), (16384, 2048), (128256, 2048)]
               for fold in FOLDS[:4] if not (fold[1] and n > 16384)]
@@ -235,6 +265,24 @@ def test_quantized_gemv_matches_on_cuda(n, k, norm, gated, gate_first, residual,
     stored, w_prime = _quantized(w, scheme, group)
     want, eager = _float64_and_eager(x, w_prime, nw, res, gated, gate_first)
     got = triton_gemv(x, stored.qweight, nw, 1e-5, res, gated, gate_first, stored.scales, stored.zeros, group or 0)
+    _assert_as_close_as_eager(got, want, eager)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("config", X_SPLIT_CONFIGS, ids=lambda c: c["kernel"])
+@pytest.mark.parametrize("scheme,group", SCHEMES)
+@pytest.mark.parametrize("n, k, norm, gated, gate_first, residual", [c for c in CUDA_CASES if c[1] == 2048])
+def test_quantized_gemv_x_split_matches_on_cuda(n, k, norm, gated, gate_first, residual, scheme, group, config):
+    """``"x": "split"`` compiled for the GPU, both kernels, at the Llama-1B shapes of 2048 columns:
+    as close to a float64 recompute over ``W'`` as eager bf16 over ``W'`` is."""
+    from offgraph_export.kernels.triton_gemv import gemv_launch
+
+    x, w, nw, res = _fold_inputs(n, k, torch.bfloat16, norm, gated, residual, device="cuda", seed=7)
+    stored, w_prime = _quantized(w, scheme, group)
+    want, eager = _float64_and_eager(x, w_prime, nw, res, gated, gate_first)
+    got = gemv_launch(x, stored.qweight, nw, 1e-5, res, gated, gate_first, config | {"x": "split"}, scales=stored.scales,
+                      zeros=stored.zeros, group_size=group or 0)
     _assert_as_close_as_eager(got, want, eager)
 
 

@@ -284,6 +284,32 @@ def _x_fields(x_ptr, norm_ptr, words, K, rstd, dt: tl.constexpr, NORM: tl.conste
 
 
 @triton.jit
+def _x_split(xf, QUANT: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """What :func:`_x_fields` returns, from ``xf``, the chunk's ``BLOCK_K`` contiguous columns of
+    ``x`` already read (and normalized) as fp32: the columns reshaped to the words' index shape
+    (:func:`_word_index`) with a last axis of the word's fields, which ``tl.split`` halves three
+    times (int4; twice for int8) into one tensor a field, in registers, where :func:`_x_fields`
+    reads ``x`` (and the norm's weight) from memory again at a stride of 8 (4) for each field. The
+    same values, so the same sums; the launch option ``"x": "split"``, for measurement."""
+    if QUANT == 4:
+        # column 8 w + i, i = 4 i2 + 2 i1 + i0, w = g GW + j: [NG, GW, i2, i1, i0]
+        even, odd = tl.split(tl.reshape(xf, (BLOCK_K // GROUP, GROUP // 8, 2, 2, 2)))
+        f04, f26 = tl.split(even)
+        f15, f37 = tl.split(odd)
+        f0, f4 = tl.split(f04)
+        f2, f6 = tl.split(f26)
+        f1, f5 = tl.split(f15)
+        f3, f7 = tl.split(f37)
+        return (f0, f1, f2, f3, f4, f5, f6, f7)
+    else:
+        # column 4 w + j, j = 2 j1 + j0: [BLOCK_K / 4, j1, j0]
+        even, odd = tl.split(tl.reshape(xf, (BLOCK_K // 4, 2, 2)))
+        f0, f2 = tl.split(even)
+        f1, f3 = tl.split(odd)
+        return (f0, f1, f2, f3)
+
+
+@triton.jit
 def _int4_bits_groups(p, xg, s_ptr, z_ptr, s_rows, row_ok, k0, K, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
     """The chunk's per-group contributions ``[BLOCK_N, NG]`` from ``p`` (``(1 + q / 16) * x``
     ``[BLOCK_N, NG, GW]``) and ``xg`` (each group's ``sum(x)``, ``[NG]``): ``(q - 8) s + z``
@@ -299,17 +325,20 @@ def _int4_bits_groups(p, xg, s_ptr, z_ptr, s_rows, row_ok, k0, K, GROUP: tl.cons
 @triton.jit
 def _bits_chunk(w_ptr, s_ptr, z_ptr, x_ptr, norm_ptr, gate_rows, up_rows, stride_wn, stride_sn, row_ok, k0, K, rstd,
                 dt: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_SPLIT: tl.constexpr):
     """One chunk's contribution to the accumulators of the gate rows and (GATED) the up rows, the
     ``"bits"`` form: the rows read as int32 words (``stride_wn`` in words), each
     field turned into fp32 by :func:`_int4_field` / :func:`_int8_field` and multiplied by ``x`` at
     its column, fp32 throughout. ``x`` is read once a field position (column ``8 word + i`` for
     int4, ``4 word + j`` for int8) and shared by both row sets. int4: per-group contributions
     ``[BLOCK_N, NG]`` (:func:`_int4_bits_groups`); int8: the products before their row's scale
-    ``[BLOCK_N, BLOCK_K / 4]``, as the per-row form accumulates them. Returns (gate, up); up is
-    gate unless GATED."""
+    ``[BLOCK_N, BLOCK_K / 4]``, as the per-row form accumulates them. X_SPLIT: the chunk's ``x``
+    read once, contiguously, and split into its field positions (:func:`_x_split`). Returns
+    (gate, up); up is gate unless GATED."""
     wp = w_ptr.to(tl.pointer_type(tl.int32))
     words = _word_index(k0, QUANT, GROUP, BLOCK_K)
+    if X_SPLIT:
+        xs = _x_split(_x_at(x_ptr, norm_ptr, k0 + tl.arange(0, BLOCK_K), K, rstd, dt, NORM), QUANT, GROUP, BLOCK_K)
     gate_words = _word_block(wp, gate_rows * stride_wn, words, row_ok, k0, K, QUANT, GROUP, BLOCK_K)
     up_words = gate_words
     if GATED:
@@ -319,7 +348,10 @@ def _bits_chunk(w_ptr, s_ptr, z_ptr, x_ptr, norm_ptr, gate_rows, up_rows, stride
         p_up = p
         xsum = tl.zeros([BLOCK_K // GROUP, GROUP // 8], dtype=tl.float32)
         for i in tl.static_range(8):
-            x = _x_at(x_ptr, norm_ptr, 8 * words + i, K, rstd, dt, NORM)
+            if X_SPLIT:
+                x = xs[i]
+            else:
+                x = _x_at(x_ptr, norm_ptr, 8 * words + i, K, rstd, dt, NORM)
             p += _int4_field(gate_words, i) * x[None, :, :]
             if GATED:
                 p_up += _int4_field(up_words, i) * x[None, :, :]
@@ -334,7 +366,10 @@ def _bits_chunk(w_ptr, s_ptr, z_ptr, x_ptr, norm_ptr, gate_rows, up_rows, stride
         p = tl.zeros([BLOCK_N, BLOCK_K // 4], dtype=tl.float32)
         p_up = p
         for j in tl.static_range(4):
-            x = _x_at(x_ptr, norm_ptr, 4 * words + j, K, rstd, dt, NORM)
+            if X_SPLIT:
+                x = xs[j]
+            else:
+                x = _x_at(x_ptr, norm_ptr, 4 * words + j, K, rstd, dt, NORM)
             p += _int8_field(gate_words, j) * x[None, :]
             if GATED:
                 p_up += _int8_field(up_words, j) * x[None, :]
@@ -363,7 +398,7 @@ def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, s_ptr, z_ptr, b_ptr, N, K, stride_wn, stride_sn, gate_offset, up_offset, eps,
     NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
     BIAS: tl.constexpr, BY_GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ACC_K: tl.constexpr,
+    ACC_K: tl.constexpr, X_SPLIT: tl.constexpr,
 ):
     """Program p: output features ``[p * BLOCK_N, (p + 1) * BLOCK_N)``, each the dot product of
     one contiguous weight row (two when GATED) with ``x``, read ``BLOCK_K`` columns at a time
@@ -395,7 +430,7 @@ def _gemv_kernel(
     for k0 in range(0, K, BLOCK_K):
         if BITS:
             gate, up = _bits_chunk(w_ptr, s_ptr, z_ptr, x_ptr, norm_ptr, gate_rows, up_rows, stride_wn, stride_sn, row_ok,
-                                   k0, K, rstd, dt, NORM, GATED, QUANT, GROUP, BLOCK_N, BLOCK_K)
+                                   k0, K, rstd, dt, NORM, GATED, QUANT, GROUP, BLOCK_N, BLOCK_K, X_SPLIT)
             acc += gate
             if GATED:
                 acc_up += up
@@ -493,6 +528,7 @@ def _gemv_tiles_kernel(
     x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, s_ptr, z_ptr, b_ptr, N, K, stride_wn, stride_sn, gate_offset, up_offset, eps,
     NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
     BIAS: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    X_SPLIT: tl.constexpr,
 ):
     """Persistent variant for rows that fit one block (``K <= BLOCK_K``): program p prepares
     ``x`` once (the RMSNorm prologue included), then walks the row tiles ``p, p + P, ...`` (P
@@ -503,8 +539,8 @@ def _gemv_tiles_kernel(
     for int4, its even and odd columns and each group's sum are prepared once a program, where
     the per-row-block kernel reads them again for every few rows. BITS: the rows read as int32
     words (``stride_wn`` in words) and converted by bit logic, against ``x`` at each field
-    position (:func:`_x_fields`) and, for int4, each group's sum, prepared once a program too.
-    BIAS as there."""
+    position (:func:`_x_fields`, or with X_SPLIT the ``x`` read above split in registers:
+    :func:`_x_split`) and, for int4, each group's sum, prepared once a program too. BIAS as there."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     dt = out_ptr.dtype.element_ty
@@ -523,7 +559,10 @@ def _gemv_tiles_kernel(
     xsum = xf
     xs = xf
     if BITS:
-        xs = _x_fields(x_ptr, norm_ptr, _word_index(0, QUANT, GROUP, BLOCK_K), K, rstd, dt, NORM, QUANT)
+        if X_SPLIT:  # the x read above, split in registers
+            xs = _x_split(x.to(tl.float32), QUANT, GROUP, BLOCK_K)
+        else:
+            xs = _x_fields(x_ptr, norm_ptr, _word_index(0, QUANT, GROUP, BLOCK_K), K, rstd, dt, NORM, QUANT)
         if QUANT == 4:
             xsum = xs[0]
             for i in tl.static_range(1, 8):
@@ -612,7 +651,9 @@ def gemv_launch(x, w, norm_weight=None, eps=0.0, residual=None, gated=False, gat
     the group's terms; int8: ``2**23 + 128 + q``, less ``2**23 + 128``), :func:`_bits_chunk`,
     :func:`_tile_sums`. "bits" falls back to "group" where a row is not whole, aligned int32
     words (:func:`_dequant_form`: int4 ``K % 8``, int8 ``K % 4``, the row stride or offset not a
-    multiple of 4 bytes) or an int4 group is not (``group_size % 8``). With ``scales`` the weight
+    multiple of 4 bytes) or an int4 group is not (``group_size % 8``); with it, ``"x": "split"``
+    reads a chunk's ``x`` once and splits it into the words' field positions in registers
+    (:func:`_x_split`) instead of reading it again at each (the same sums). With ``scales`` the weight
     is quantized (design section 11): int8 ``[N, K]`` and scales ``[N]``, or with ``zeros`` and
     ``group_size`` int4 ``[N, K / 2]`` and scales and zeros ``[N, K / group_size]``. ``bias``:
     ``[N]``, the linear's (Qwen-style q/k/v projections)."""
@@ -664,7 +705,8 @@ def gemv_launch(x, w, norm_weight=None, eps=0.0, residual=None, gated=False, gat
         args = (flat, w, out, norm, res, s_arg, z_arg, b_arg, n_out, k, stride_wn, stride_sn, gate_offset, up_offset, eps)
         torch.library.wrap_triton(_gemv_tiles_kernel)[(programs, 1, 1)](
             *args, QUANT=quant, GROUP=max(group_size, 1), BIAS=bias is not None, BITS=bits,
-            BLOCK_K=max(_pow2_at_least(k), 2 * max(group_size, 1)), NUM_STAGES=config["num_stages"], **flags,
+            BLOCK_K=max(_pow2_at_least(k), 2 * max(group_size, 1)), NUM_STAGES=config["num_stages"],
+            X_SPLIT=bits and config.get("x") == "split", **flags,
         )
     else:
         block_k = config["BLOCK_K"]
@@ -680,7 +722,7 @@ def gemv_launch(x, w, norm_weight=None, eps=0.0, residual=None, gated=False, gat
         args = (flat, w, out, norm, res, s_arg, z_arg, b_arg, n_out, k, stride_wn, stride_sn, gate_offset, up_offset, eps)
         torch.library.wrap_triton(_gemv_kernel)[(tiles, 1, 1)](
             *args, QUANT=quant, GROUP=max(group_size, 1), BIAS=bias is not None, BY_GROUP=by_group, BITS=bits,
-            BLOCK_K=block_k, ACC_K=acc_k, **flags,
+            BLOCK_K=block_k, ACC_K=acc_k, X_SPLIT=bits and config.get("x") == "split", **flags,
         )
     return out
 
