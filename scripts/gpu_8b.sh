@@ -49,7 +49,7 @@ build)
     --artifacts "$ART" --max-capacity "${MAX_CAPACITY:-16896}" > "$OUT/build_offgraph.log" 2>&1
   rc=$?
   echo "build rc $rc (${SECONDS}s)" | tee -a "$OUT/summary.txt"
-  grep -E "^\[|stage|compiled|passes|exported|packaged" "$OUT/build_offgraph.log" "$OUT/offgraph_export.log" 2>/dev/null \
+  grep -hE "^\[|stage|compiled|passes|exported|packaged" "$OUT/build_offgraph.log" "$OUT/offgraph_export.log" 2>/dev/null \
     | tail -30 >> "$OUT/summary.txt"
   if [ $rc != 0 ] && [ -f "$ART/offgraph.pt2" ] && [ ! -f "$OUT/offgraph_build.json" ]; then
     # the export publishes its package by one rename once it is whole: a package there is complete
