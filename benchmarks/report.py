@@ -112,6 +112,10 @@ def render(out: Path) -> str:
         if not ob:
             continue
         pre = results[name]["prefill_1024"]["median_ms"] if results[name] else None
+        if "compile_s" not in ob:  # a build stopped after publishing its package (scripts/gpu_8b.sh)
+            lines.append(f"| {name} | not known: {ob.get('note', 'no stage times recorded')} | - | "
+                         f"{'-' if pre is None else f'{pre:.2f} ms'} |")
+            continue
         lines.append(
             f"| {name} | {ob['export_s'] + ob['passes_s'] + ob['compile_s']:.0f} s (export {ob['export_s']:.0f}, "
             f"passes {ob['passes_s']:.0f}, compile {ob['compile_s']:.0f}) | {_mb(ob['bytes'])} | "

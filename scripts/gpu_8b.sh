@@ -42,7 +42,8 @@ case "$PHASE" in
 build)
   nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/summary.txt"
   nproc | sed 's/^/cpus /' | tee -a "$OUT/summary.txt"
-  rm -f "$ART/offgraph.pt2" "$ART/offgraph_build.json"
+  # what an earlier build left: its package, its records, the staging folder of one stopped before publishing
+  rm -rf "$ART/offgraph.pt2" "$ART/offgraph_build.json" "$OUT/offgraph_build.json" "$ART"/.offgraph-*
   # build-offgraph runs `offgraph-export export ... --json`: every stage's seconds land in offgraph_build.json,
   # and the export's stage lines in offgraph_export.log as they are printed
   timeout -k 10 "${BUILD_BUDGET_S:-570}" $B build-offgraph --config "$CONFIG" --variant offgraph --out "$OUT" \

@@ -15,16 +15,21 @@ OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv | tee -a "$OUT/summary.txt"
+status=0
 if [ "$PHASE" = packages ]; then
   timeout -k 5 ${PACKAGE_TEST_BUDGET_S:-540} python3 -m pytest -v -m cuda tests/test_quantize.py -p no:cacheprovider \
     > "$OUT/pytest_cuda_packages.log" 2>&1
-  echo "package tests rc $?: $(tail -1 "$OUT/pytest_cuda_packages.log")" | tee -a "$OUT/summary.txt"
+  rc=$?; [ $rc = 0 ] || status=1
+  echo "package tests rc $rc: $(tail -1 "$OUT/pytest_cuda_packages.log")" | tee -a "$OUT/summary.txt"
   grep -E "PASSED|FAILED|ERROR" "$OUT/pytest_cuda_packages.log" | tee -a "$OUT/summary.txt"
-  exit 0
+  exit $status
 fi
 timeout -k 5 ${BENCH_BUDGET_S:-300} python3 scripts/bench_quantized_gemv.py --out "$OUT/quantized_gemv.json" > "$OUT/bench.log" 2>&1
-echo "bench rc $?" | tee -a "$OUT/summary.txt"
+rc=$?; [ $rc = 0 ] || status=1
+echo "bench rc $rc" | tee -a "$OUT/summary.txt"
 tail -3 "$OUT/bench.log" >> "$OUT/summary.txt"
 timeout -k 5 ${TEST_BUDGET_S:-200} python3 -m pytest -q -m cuda tests/test_quantized_gemv.py -p no:cacheprovider \
   > "$OUT/pytest_cuda.log" 2>&1
-echo "kernel tests rc $?: $(tail -1 "$OUT/pytest_cuda.log")" | tee -a "$OUT/summary.txt"
+rc=$?; [ $rc = 0 ] || status=1
+echo "kernel tests rc $rc: $(tail -1 "$OUT/pytest_cuda.log")" | tee -a "$OUT/summary.txt"
+exit $status

@@ -92,3 +92,17 @@ def test_report_compares_quantized_builds_with_the_same_scheme_and_with_bf16(tmp
     # the float comparison lists the bf16 build only
     assert "| 1,024 | offgraph 1.000 (0.950) ms | hf-compile 2.500 ms | 2.50x (2.63x) |" in text
     assert "| 1,024 | offgraph-int4 0.500 (0.450) ms |" not in text
+
+
+def test_a_build_stopped_after_publishing_its_package_is_reported_without_stage_times(tmp_path):
+    """scripts/gpu_8b.sh measures a package its build published before being stopped and writes a
+    record with a note and no stage times (a Qwen2.5-7B build, 2026-12-07): the report says so in
+    the build table instead of failing on the missing times."""
+    note = "the build process was stopped (rc 124) after its package was published"
+    (tmp_path / "offgraph_build.json").write_text(json.dumps({"note": note, "timed_out": True}))
+    (tmp_path / "offgraph.json").write_text(json.dumps({
+        "rows": [_row("offgraph", "graph", 1024, 5.596, 5.438)], "prefill_1024": {"median_ms": 40.0},
+        "breakdown_1k": {"graph": _breakdown(5390.0)}}))
+    text = _report().render(tmp_path)
+    assert f"| offgraph | not known: {note} | - | 40.00 ms |" in text
+    assert "| offgraph | graph | 1,024 | 5.596 |" in text

@@ -228,6 +228,8 @@ def test_interp_x_split_reads_the_same_x_as_the_strided_fields(norm, gated, gate
     fields = gemv_launch(x, stored.qweight, nw, 1e-5, res, gated, gate_first, config, **launch)
     split = gemv_launch(x, stored.qweight, nw, 1e-5, res, gated, gate_first, config | {"x": "split"}, **launch)
     assert torch.equal(split, fields)
+    with pytest.raises(ValueError, match="not 'splt'"):
+        gemv_launch(x, stored.qweight, nw, 1e-5, res, gated, gate_first, config | {"x": "splt"}, **launch)
     want = _eager_folds(x, w_prime, nw, 1e-5, res, gated, gate_first, bias=b)
     torch.testing.assert_close(split, want, atol=3e-5, rtol=3e-5)
     assert (split - _eager_folds(x, w, nw, 1e-5, res, gated, gate_first, bias=b)).abs().max() > 1e-4
@@ -272,10 +274,11 @@ def test_quantized_gemv_matches_on_cuda(n, k, norm, gated, gate_first, residual,
 @needs_cuda
 @pytest.mark.parametrize("config", X_SPLIT_CONFIGS, ids=lambda c: c["kernel"])
 @pytest.mark.parametrize("scheme,group", SCHEMES)
-@pytest.mark.parametrize("n, k, norm, gated, gate_first, residual", [c for c in CUDA_CASES if c[1] == 2048])
+@pytest.mark.parametrize("n, k, norm, gated, gate_first, residual", [c for c in CUDA_CASES if c[3] or c[5]])
 def test_quantized_gemv_x_split_matches_on_cuda(n, k, norm, gated, gate_first, residual, scheme, group, config):
-    """``"x": "split"`` compiled for the GPU, both kernels, at the Llama-1B shapes of 2048 columns:
-    as close to a float64 recompute over ``W'`` as eager bf16 over ``W'`` is."""
+    """``"x": "split"`` compiled for the GPU, both kernels, at the Llama-1B shapes with a gated or
+    residual fold (the down projection's 8192 columns among them): as close to a float64 recompute
+    over ``W'`` as eager bf16 over ``W'`` is."""
     from offgraph_export.kernels.triton_gemv import gemv_launch
 
     x, w, nw, res = _fold_inputs(n, k, torch.bfloat16, norm, gated, residual, device="cuda", seed=7)

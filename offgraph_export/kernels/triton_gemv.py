@@ -691,6 +691,8 @@ def gemv_launch(x, w, norm_weight=None, eps=0.0, residual=None, gated=False, gat
         bias = bias.contiguous()
     if config is None:
         config = _config(k, gated, quant, n, bias is not None)
+    if config.get("x", "fields") not in ("fields", "split"):
+        raise ValueError(f"a launch's \"x\" is \"fields\" or \"split\", not {config['x']!r}")
     flags = dict(NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None,
                  BLOCK_N=config["BLOCK_N"], num_warps=config["num_warps"])
     tiles = triton.cdiv(n_out, config["BLOCK_N"])
@@ -706,7 +708,7 @@ def gemv_launch(x, w, norm_weight=None, eps=0.0, residual=None, gated=False, gat
         torch.library.wrap_triton(_gemv_tiles_kernel)[(programs, 1, 1)](
             *args, QUANT=quant, GROUP=max(group_size, 1), BIAS=bias is not None, BITS=bits,
             BLOCK_K=max(_pow2_at_least(k), 2 * max(group_size, 1)), NUM_STAGES=config["num_stages"],
-            X_SPLIT=bits and config.get("x") == "split", **flags,
+            X_SPLIT=bits and config.get("x", "fields") == "split", **flags,
         )
     else:
         block_k = config["BLOCK_K"]
@@ -722,7 +724,7 @@ def gemv_launch(x, w, norm_weight=None, eps=0.0, residual=None, gated=False, gat
         args = (flat, w, out, norm, res, s_arg, z_arg, b_arg, n_out, k, stride_wn, stride_sn, gate_offset, up_offset, eps)
         torch.library.wrap_triton(_gemv_kernel)[(tiles, 1, 1)](
             *args, QUANT=quant, GROUP=max(group_size, 1), BIAS=bias is not None, BY_GROUP=by_group, BITS=bits,
-            BLOCK_K=block_k, ACC_K=acc_k, X_SPLIT=bits and config.get("x") == "split", **flags,
+            BLOCK_K=block_k, ACC_K=acc_k, X_SPLIT=bits and config.get("x", "fields") == "split", **flags,
         )
     return out
 
