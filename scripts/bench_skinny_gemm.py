@@ -6,7 +6,8 @@ L2; the lm_head 4 copies), captured in one CUDA graph and replayed: the median r
 copies is one call's time, as a step pays it. Side by side, per shape and M: bf16 through cuBLAS
 (``F.linear``: the sessions method's projections today), this project's one-row GEMV at M = 1
 (bf16, int8, int4 g128; no folds), tinygemm int4 (``aten._weight_int4pack_mm``) at every M, and the
-skinny GEMM's launches (:data:`SKINNY_CONFIGS`) over bf16, int8 and int4 g128. Also the step sums
+skinny GEMM's launches (:data:`SKINNY_CONFIGS`) over bf16, int8 and int4 g128 (int4 in both of its
+forms: per value, and ``dequant="bits"``, "int4bits"). Also the step sums
 (16 layers of each projection plus the lm_head) per M, for cuBLAS bf16 and the skinny GEMM's
 fastest launch per projection, with % of the weights' floor at the measured copy rate.
 
@@ -41,6 +42,8 @@ SHAPES = {  # name: (N, K, copies)
     "lm_head": (128256, 2048, 4),
 }
 SCHEMES = ("bf16", "int8", "int4")
+#: the skinny GEMM's forms swept: name -> (the weights it reads, its ``dequant``)
+FORMS = {"bf16": ("bf16", "value"), "int8": ("int8", "value"), "int4": ("int4", "value"), "int4bits": ("int4", "bits")}
 
 
 def _name(config: tuple[int, int, int, int]) -> str:
@@ -74,17 +77,17 @@ def measure_shape(name: str, n: int, k: int, copies: int) -> dict:
         if packed:
             us["tinygemm_int4"] = replay_us(lambda: [torch.ops.aten._weight_int4pack_mm(x, wp, GROUP, sz) for wp, sz in packed], copies)
         for config in SKINNY_CONFIGS:
-            for scheme in SCHEMES:
-                key = f"skinny_{scheme}_{_name(config)}"
+            for form, (scheme, dequant) in FORMS.items():
+                key = f"skinny_{form}_{_name(config)}"
                 try:
                     if scheme == "bf16":
                         us[key] = replay_us(lambda: [skinny_gemm(x, w, config=config) for w in ws], copies)
                     else:
-                        us[key] = replay_us(lambda: [skinny_gemm(x, s.qweight, s.scales, s.zeros, s.group_size or 0, config=config)
-                                                     for s in stored[scheme]], copies)
+                        us[key] = replay_us(lambda: [skinny_gemm(x, s.qweight, s.scales, s.zeros, s.group_size or 0, config=config,
+                                                                 dequant=dequant) for s in stored[scheme]], copies)
                 except Exception as exc:  # noqa: BLE001 - a launch may not compile; say so
                     print(f"  {name} M={m} {key}: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
-        for scheme in SCHEMES:
+        for scheme in FORMS:
             options = {key: v for key, v in us.items() if key.startswith(f"skinny_{scheme}_")}
             if options:
                 best = min(options, key=options.get)
@@ -105,22 +108,23 @@ def report(data: dict) -> str:
              "median us per call; `scripts/bench_skinny_gemm.py`.", ""]
     for row in data["rows"]:
         lines += [f"## {row['shape']} ({row['n']} x {row['k']})", "",
-                  "| M | cuBLAS bf16 | skinny bf16 (launch) | GEMV bf16 | skinny int8 | GEMV int8 | skinny int4 | GEMV int4 | tinygemm int4 |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| M | cuBLAS bf16 | skinny bf16 (launch) | GEMV bf16 | skinny int8 | GEMV int8 | skinny int4 | skinny int4 bits (launch) | GEMV int4 | tinygemm int4 |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for m, us in row["us"].items():
             def cell(key: str) -> str:
                 return f"{us[key]:.2f}" if key in us else "-"
             lines.append(f"| {m} | {cell('cublas_bf16')} | {cell('skinny_bf16_best')} ({us.get('skinny_bf16_best_launch', '-')}) | "
                          f"{cell('gemv_bf16')} | {cell('skinny_int8_best')} | {cell('gemv_int8')} | {cell('skinny_int4_best')} | "
+                         f"{cell('skinny_int4bits_best')} ({us.get('skinny_int4bits_best_launch', '-')}) | "
                          f"{cell('gemv_int4')} | {cell('tinygemm_int4')} |")
         lines.append("")
     lines += ["## Projections of a step (16 layers + lm_head), us, and % of the weights' floor", "",
-              "| M | cuBLAS bf16 | skinny bf16 | skinny int8 | skinny int4 | tinygemm int4 (lm_head and gate\\|up too) |",
-              "|---|---|---|---|---|---|"]
+              "| M | cuBLAS bf16 | skinny bf16 | skinny int8 | skinny int4 | skinny int4 bits | tinygemm int4 (lm_head and gate\\|up too) |",
+              "|---|---|---|---|---|---|---|"]
     for m, step in data["step_us"].items():
         cells = []
         for key, scheme in (("cublas_bf16", "bf16"), ("skinny_bf16_best", "bf16"), ("skinny_int8_best", "int8"),
-                            ("skinny_int4_best", "int4"), ("tinygemm_int4", "int4")):
+                            ("skinny_int4_best", "int4"), ("skinny_int4bits_best", "int4"), ("tinygemm_int4", "int4")):
             if key in step:
                 floor = data["weight_bytes"][scheme] / rate * 1e6
                 cells.append(f"{step[key]:.1f} ({100 * floor / step[key]:.0f}%)")
@@ -150,7 +154,7 @@ def main() -> None:
     weights = {s: sum(r["bytes"][s] * (1 if r["shape"] == "lm_head" else LAYERS) for r in rows) for s in SCHEMES}
     for m in map(str, ROWS):
         step[m] = {}
-        for key in ("cublas_bf16", "skinny_bf16_best", "skinny_int8_best", "skinny_int4_best", "tinygemm_int4"):
+        for key in ("cublas_bf16", "skinny_bf16_best", "skinny_int8_best", "skinny_int4_best", "skinny_int4bits_best", "tinygemm_int4"):
             if all(key in r["us"][m] for r in rows):
                 step[m][key] = sum(r["us"][m][key] * (1 if r["shape"] == "lm_head" else LAYERS) for r in rows)
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bytes_per_s": rate,

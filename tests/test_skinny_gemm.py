@@ -27,6 +27,40 @@ def _case(m: int, n: int, k: int, scheme: str, group: int | None, dtype: torch.d
     return x, (stored.qweight, stored.scales, stored.zeros, group or 0), dequantize(stored)
 
 
+@interpreter_only
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("m, n, k, config", [
+    (1, 40, 256, (16, 128, 4, 2)),  # BLOCK_K raised to a group of 128
+    (5, 40, 1152, (16, 256, 4, 2)),  # a partial last block of weight rows and of columns
+    (16, 96, 1152, (32, 128, 4, 3)),
+])
+def test_interp_skinny_gemm_bits_form_matches_a_float64_recompute(m, n, k, config, group):
+    """int4's "bits" form (``1 + q / 16`` by integer logic, one dot a group, the group's scale and
+    zero on its result) against the same float64 recompute over ``W'``, and not the float
+    weight's result."""
+    from offgraph_export.kernels.triton_skinny_gemm import skinny_gemm
+
+    x, weight, w_prime = _case(m, n, k, "int4", group, torch.float32)
+    got = skinny_gemm(x, *weight, config=config, dequant="bits")
+    want = x.double() @ w_prime.double().T
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    g = torch.Generator().manual_seed(m * 1000 + k)
+    torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g) * 0.05
+    assert (got.double() - x.double() @ w.double().T).abs().max() > 1e-4
+
+
+def test_skinny_gemm_refuses_a_bits_form_it_has_not():
+    from offgraph_export.kernels.triton_skinny_gemm import skinny_gemm
+
+    stored = quantize(torch.randn(8, 64), "int8", None)
+    with pytest.raises(ValueError, match="not int8 weights"):
+        skinny_gemm(torch.randn(2, 64), stored.qweight, stored.scales, dequant="bits")
+    with pytest.raises(ValueError, match="not 'bit'"):
+        skinny_gemm(torch.randn(2, 64), torch.randn(8, 64), dequant="bit")
+
+
 @needs_triton
 def test_skinny_gemm_interpreter_suite():
     run_interpreter_cases(__file__)
@@ -72,7 +106,9 @@ def test_skinny_gemm_matches_on_cuda(n, k, m, scheme, group):
     x, weight, w_prime = _case(m, n, k, scheme, group, torch.bfloat16, "cuda")
     want = x.double() @ w_prime.double().T
     eager_err = ((x @ w_prime.T).double() - want).norm() / want.norm()
+    forms = ("value", "bits") if scheme == "int4" else ("value",)
     for config in SKINNY_CONFIGS:
-        got = skinny_gemm(x, *weight, config=config)
-        err = (got.double() - want).norm() / want.norm()
-        assert err <= 2 * eager_err + 1e-3, (config, err.item(), eager_err.item())
+        for form in forms:
+            got = skinny_gemm(x, *weight, config=config, dequant=form)
+            err = (got.double() - want).norm() / want.norm()
+            assert err <= 2 * eager_err + 1e-3, (config, form, err.item(), eager_err.item())
