@@ -5,11 +5,13 @@
 #       which did not fit the 200 s they had beside the kernels' phase, 2026-12-07)
 #   scripts/gpu_quantized.sh kernels OUT_DIR    the GEMV micro-benchmark (scripts/bench_quantized_gemv.py),
 #       then the cuda tests of the quantized GEMV kernels
+#   scripts/gpu_quantized.sh skinny OUT_DIR     the few-row GEMM's sweep (scripts/bench_skinny_gemm.py: M = 1-16
+#       against cuBLAS, the GEMV and tinygemm, int4 in its per-value and "bits" forms), then its cuda tests
 # Budgets (seconds): PACKAGE_TEST_BUDGET_S (default 540), BENCH_BUDGET_S (300), TEST_BUDGET_S (200).
 set -uo pipefail
-PHASE=${1:?usage: scripts/gpu_quantized.sh packages|kernels OUT_DIR}
-OUT=${2:?usage: scripts/gpu_quantized.sh packages|kernels OUT_DIR}
-case "$PHASE" in packages|kernels) ;; *) echo "the phase must be packages or kernels, not '$PHASE'"; exit 2;; esac
+PHASE=${1:?usage: scripts/gpu_quantized.sh packages|kernels|skinny OUT_DIR}
+OUT=${2:?usage: scripts/gpu_quantized.sh packages|kernels|skinny OUT_DIR}
+case "$PHASE" in packages|kernels|skinny) ;; *) echo "the phase must be packages, kernels or skinny, not '$PHASE'"; exit 2;; esac
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
@@ -22,6 +24,17 @@ if [ "$PHASE" = packages ]; then
   rc=$?; [ $rc = 0 ] || status=1
   echo "package tests rc $rc: $(tail -1 "$OUT/pytest_cuda_packages.log")" | tee -a "$OUT/summary.txt"
   grep -E "PASSED|FAILED|ERROR" "$OUT/pytest_cuda_packages.log" | tee -a "$OUT/summary.txt"
+  exit $status
+fi
+if [ "$PHASE" = skinny ]; then
+  timeout -k 5 ${BENCH_BUDGET_S:-360} python3 scripts/bench_skinny_gemm.py --out "$OUT/skinny.json" > "$OUT/skinny.log" 2>&1
+  rc=$?; [ $rc = 0 ] || status=1
+  echo "skinny sweep rc $rc" | tee -a "$OUT/summary.txt"
+  tail -2 "$OUT/skinny.log" >> "$OUT/summary.txt"
+  timeout -k 5 ${TEST_BUDGET_S:-180} python3 -m pytest -q -m cuda tests/test_skinny_gemm.py -p no:cacheprovider \
+    > "$OUT/pytest_cuda_skinny.log" 2>&1
+  rc=$?; [ $rc = 0 ] || status=1
+  echo "skinny tests rc $rc: $(tail -1 "$OUT/pytest_cuda_skinny.log")" | tee -a "$OUT/summary.txt"
   exit $status
 fi
 timeout -k 5 ${BENCH_BUDGET_S:-300} python3 scripts/bench_quantized_gemv.py --out "$OUT/quantized_gemv.json" > "$OUT/bench.log" 2>&1

@@ -94,6 +94,7 @@ def test_skinny_gemm_refuses_more_rows_than_a_tile_and_a_group_that_does_not_div
         skinny_gemm(torch.randn(2, 64), stored.qweight, stored.scales, stored.zeros, 48)
 
 
+@pytest.mark.cuda  # scripts/gpu_*.sh select the cuda tests by this mark (without it this test never ran there)
 @needs_cuda
 @pytest.mark.parametrize("scheme,group", SCHEMES)
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
