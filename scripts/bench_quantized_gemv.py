@@ -8,7 +8,8 @@ project's GEMV (``kernels/triton_gemv.py``, where its width limit admits it), in
 three forms of dequantization (per row or group, the default; per value, ``"dequant": "value"``;
 per row or group without an int-to-float conversion a value, ``"dequant": "bits"``, swept over the
 rows and tiles kernels' launches, and the same with ``"x": "split"``, the chunk's ``x`` read once
-and split into the words' field positions in registers), and, for int4 without folds, tinygemm
+and split into the words' field positions in registers), int4 on the tensor cores (``"kernel": "mma"``,
+"mma"), and, for int4 without folds, tinygemm
 (``aten._weight_int4pack_mm``, the kernel gpt-fast's int4 path uses) as the contender. The step
 sums 16 layers of each projection plus the lm_head; the floor is the weights' bytes at the measured
 device copy rate.
@@ -54,6 +55,9 @@ TILE_CONFIGS = [(1, 4, 4, 3), (2, 4, 4, 3), (4, 4, 4, 3), (4, 2, 8, 3), (8, 2, 8
 #: all of TILE_CONFIGS): those near the fastest "bits" launches of the last sweep
 #: (``benchmarks/h100-2026-12-07-quantized-step/gemv``).
 SPLIT_CONFIGS = [(4, 1024, 4), (4, 2048, 8), (8, 512, 4), (8, 1024, 8), (16, 512, 4)]
+#: The tensor-core kernel's int4 launches ("mma"): (BLOCK_N, BLOCK_K, warps, stages); 16-32 rows a
+#: program keep 64-192 programs at 2048-3072 outputs.
+MMA_CONFIGS = [(16, 128, 4, 2), (16, 256, 4, 3), (32, 128, 4, 2), (32, 256, 4, 3), (64, 128, 4, 3), (64, 256, 8, 3)]
 TILES_MAX_K = 8192
 GROUP = 128
 
@@ -62,16 +66,19 @@ VARIANTS = {  # step variant: the weights it reads
     "cublas_bf16": "bf16", "gemv_bf16": "bf16", "gemv_int8": "int8", "gemv_int8_pervalue": "int8",
     "gemv_int4": "int4", "gemv_int4_pervalue": "int4", "tinygemm_int4": "int4",
     "gemv_int8_best": "int8", "gemv_int4_best": "int4", "gemv_int8_bits_best": "int8", "gemv_int4_bits_best": "int4",
-    "gemv_int8_bitsx_best": "int8", "gemv_int4_bitsx_best": "int4",
+    "gemv_int8_bitsx_best": "int8", "gemv_int4_bitsx_best": "int4", "gemv_int4_mma_best": "int4",
 }  # *_best: for each projection the fastest launch measured for it (what a default tuned on this run gives) of
 #    the forms the default may take (per row or group: the rows and tiles kernels); *_bits_best: the fastest
-#    "bits" launch of the rows and tiles kernels; *_bitsx_best: the fastest "bits" launch with "x": "split"
-FORMS = ("plain", "bits", "bitsx")
+#    "bits" launch of the rows and tiles kernels; *_bitsx_best: the fastest "bits" launch with "x": "split";
+#    gemv_int4_mma_best: the fastest tensor-core launch
+FORMS = ("plain", "bits", "bitsx", "mma")
 
 
 def _form(key: str) -> str:
-    """A measured launch's form: "bitsx" (``gemv_{scheme}_bitsx_*``, ``_tilesbitsx_*``), "bits"
-    (``_bits_*``, ``_tilesbits_*``) or "plain" (per row or group, per value)."""
+    """A measured launch's form: "mma" (``gemv_int4_mma_*``), "bitsx" (``gemv_{scheme}_bitsx_*``,
+    ``_tilesbitsx_*``), "bits" (``_bits_*``, ``_tilesbits_*``) or "plain" (per row or group, per value)."""
+    if "_mma_" in key:
+        return "mma"
     if "_bitsx_" in key or "_tilesbitsx_" in key:
         return "bitsx"
     return "bits" if "_bits_" in key or "_tilesbits_" in key else "plain"
@@ -108,7 +115,8 @@ def report(data: dict) -> str:
             continue
         us, floor = data["step_us"][variant], data["floor_us"][weights]
         lines.append(f"| {variant} | {us:,.1f} | {data['weight_bytes'][weights] / 1e9:.3f} GB | {floor:,.1f} | {100 * floor / us:.0f}% |")
-    labels = [f"{scheme}{'' if form == 'plain' else '_' + form}" for form in FORMS for scheme in ("int8", "int4")]
+    labels = [f"{scheme}{'' if form == 'plain' else '_' + form}" for form in FORMS for scheme in ("int8", "int4")
+              if not (form == "mma" and scheme == "int8")]
     lines += ["", "| projection | " + " | ".join(f"fastest {label.replace('_', ' ')} launch" for label in labels) + " |",
               "|---|" + "---|" * len(labels)]
     for row in data["rows"]:
@@ -169,6 +177,10 @@ def main() -> None:
             sweep |= {f"gemv_{scheme}_bitsx_{bn}x{bk}w{warps}": {"kernel": "rows", "BLOCK_N": bn, "BLOCK_K": bk,
                                                                "num_warps": warps, "dequant": "bits", "x": "split"}
                       for bn, bk, warps in SPLIT_CONFIGS}
+            if scheme == "int4":
+                sweep |= {f"gemv_int4_mma_{bn}x{bk}w{warps}s{stages}": {
+                    "kernel": "mma", "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
+                    for bn, bk, warps, stages in MMA_CONFIGS}
             if k <= TILES_MAX_K:
                 for form, extra in (("tiles", {}), ("tilesbits", {"dequant": "bits"}),
                                     ("tilesbitsx", {"dequant": "bits", "x": "split"})):
@@ -208,7 +220,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     step = {}
     for variant in VARIANTS:
-        if variant.endswith(("_bits_best", "_bitsx_best")) and not all(variant in row["us"] for row in rows):
+        if variant.endswith(("_bits_best", "_bitsx_best", "_mma_best")) and not all(variant in row["us"] for row in rows):
             continue  # no such launch ran for some projection: no step to sum
         total = 0.0
         for row in rows:

@@ -235,6 +235,47 @@ def test_interp_x_split_reads_the_same_x_as_the_strided_fields(norm, gated, gate
     assert (split - _eager_folds(x, w, nw, 1e-5, res, gated, gate_first, bias=b)).abs().max() > 1e-4
 
 
+#: the tensor-core kernel's launches swept by scripts/bench_quantized_gemv.py, two of them
+MMA_CONFIGS = [{"kernel": "mma", "BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2},
+               {"kernel": "mma", "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 2}]
+
+
+@interpreter_only
+@pytest.mark.parametrize("config", MMA_CONFIGS, ids=lambda c: f"{c['BLOCK_N']}x{c['BLOCK_K']}")
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("norm, gated, gate_first, residual", FOLDS)
+def test_interp_mma_kernel_matches_the_float_folds_over_w_prime(norm, gated, gate_first, residual, group, config):
+    """``"kernel": "mma"`` (int4 on the tensor cores: ``x`` padded to 16 rows, one dot a group over
+    ``1 + q / 16``, the group's scale and zero on its result) with every fold and a bias against the
+    float folds over ``W'``; 1152 columns: with 256 a step the last one holds half its groups, and
+    40 rows leave the last program's block partial."""
+    from offgraph_export.kernels.triton_gemv import gemv_launch
+
+    n, k = 40, 1152
+    x, w, nw, res = _fold_inputs(n, k, torch.float32, norm, gated, residual)
+    b = torch.randn(n, generator=torch.Generator().manual_seed(5))
+    stored, w_prime = _quantized(w, "int4", group)
+    got = gemv_launch(x, stored.qweight, nw, 1e-5, res, gated, gate_first, config, scales=stored.scales,
+                      zeros=stored.zeros, group_size=group, bias=b)
+    want = _eager_folds(x, w_prime, nw, 1e-5, res, gated, gate_first, bias=b)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=3e-5, rtol=3e-5)
+    assert (got - _eager_folds(x, w, nw, 1e-5, res, gated, gate_first, bias=b)).abs().max() > 1e-4
+
+
+def test_mma_kernel_refuses_what_it_does_not_read():
+    from offgraph_export.kernels.triton_gemv import gemv_launch
+
+    w = torch.randn(8, 64)
+    int8 = quantize(w, "int8", None)
+    with pytest.raises(ValueError, match="not int8 weights"):
+        gemv_launch(torch.randn(1, 1, 64), int8.qweight, config=MMA_CONFIGS[0], scales=int8.scales)
+    int4 = quantize(w, "int4", 8)
+    with pytest.raises(ValueError, match="groups of 8"):
+        gemv_launch(torch.randn(1, 1, 64), int4.qweight, config=MMA_CONFIGS[0], scales=int4.scales, zeros=int4.zeros,
+                    group_size=8)
+
+
 #: (n, k) and folds at the Llama-1B shapes; the lm_head (128256 rows) is never gated
 CUDA_CASES = [(n, k, *fold) for n, k in [(3072, 2048), (2048, 8192), (16384, 2048), (128256, 2048)]
               for fold in FOLDS[:4] if not (fold[1] and n > 16384)]
@@ -286,6 +327,24 @@ def test_quantized_gemv_x_split_matches_on_cuda(n, k, norm, gated, gate_first, r
     want, eager = _float64_and_eager(x, w_prime, nw, res, gated, gate_first)
     got = gemv_launch(x, stored.qweight, nw, 1e-5, res, gated, gate_first, config | {"x": "split"}, scales=stored.scales,
                       zeros=stored.zeros, group_size=group or 0)
+    _assert_as_close_as_eager(got, want, eager)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("config", MMA_CONFIGS, ids=lambda c: f"{c['BLOCK_N']}x{c['BLOCK_K']}")
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("n, k, norm, gated, gate_first, residual", [c for c in CUDA_CASES if c[3] or c[5]])
+def test_mma_kernel_matches_on_cuda(n, k, norm, gated, gate_first, residual, group, config):
+    """``"kernel": "mma"`` compiled for the GPU in bf16 at the Llama-1B shapes with a gated or
+    residual fold: as close to a float64 recompute over ``W'`` as eager bf16 over ``W'`` is."""
+    from offgraph_export.kernels.triton_gemv import gemv_launch
+
+    x, w, nw, res = _fold_inputs(n, k, torch.bfloat16, norm, gated, residual, device="cuda", seed=7)
+    stored, w_prime = _quantized(w, "int4", group)
+    want, eager = _float64_and_eager(x, w_prime, nw, res, gated, gate_first)
+    got = gemv_launch(x, stored.qweight, nw, 1e-5, res, gated, gate_first, config, scales=stored.scales,
+                      zeros=stored.zeros, group_size=group)
     _assert_as_close_as_eager(got, want, eager)
 
 
