@@ -39,6 +39,7 @@ WRITES = {
     "_paged_combine_kernel": {"out_ptr"},
     "_gemv_kernel": {"out_ptr"},
     "_gemv_tiles_kernel": {"out_ptr"},
+    "_gemv_mma_kernel": {"out_ptr"},
 }
 
 
@@ -102,6 +103,19 @@ def _all_launches() -> None:
     triton_gemv.gemv_launch(x, w, torch.ones(64), 1e-5, torch.randn(1, 1, 128), gated=True)
     triton_gemv.gemv_launch(x, w, torch.ones(64), 1e-5, torch.randn(1, 1, 256))
     triton_gemv.gemv_launch(torch.randn(1, 1, 8192), torch.randn(64, 8192))
+    # quantized rows (design section 11): scales, zeros and the bias read only, in every form and kernel
+    from offgraph_export.reference.weight_quant import quantize
+
+    q4, q8, bias = quantize(torch.randn(256, 64), "int4", 32), quantize(torch.randn(256, 64), "int8", None), torch.randn(256)
+    int4 = dict(scales=q4.scales, zeros=q4.zeros, group_size=32)
+    for config in ({"kernel": "rows", "BLOCK_N": 4, "BLOCK_K": 64, "num_warps": 4, "dequant": "bits", "x": "split"},
+                   {"kernel": "tiles", "BLOCK_N": 4, "per_sm": 1, "num_warps": 4, "num_stages": 2, "dequant": "bits", "x": "split"},
+                   {"kernel": "mma", "BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}):
+        triton_gemv.gemv_launch(x, q4.qweight, torch.ones(64), 1e-5, torch.randn(1, 1, 128), gated=True, config=config,
+                                bias=bias, **int4)
+        triton_gemv.gemv_launch(x, q4.qweight, torch.ones(64), 1e-5, torch.randn(1, 1, 256), config=config, bias=bias, **int4)
+    triton_gemv.gemv_launch(x, q8.qweight, torch.ones(64), 1e-5, torch.randn(1, 1, 256), scales=q8.scales, bias=bias,
+                            config={"kernel": "rows", "BLOCK_N": 4, "BLOCK_K": 64, "num_warps": 4, "dequant": "bits", "x": "split"})
 
 
 def test_torch_sees_only_the_real_writes(launches):
