@@ -8,7 +8,8 @@ project's GEMV (``kernels/triton_gemv.py``, where its width limit admits it), in
 three forms of dequantization (per row or group, the default; per value, ``"dequant": "value"``;
 per row or group without an int-to-float conversion a value, ``"dequant": "bits"``, swept over the
 rows and tiles kernels' launches, and the same with ``"x": "split"``, the chunk's ``x`` read once
-and split into the words' field positions in registers), int4 on the tensor cores (``"kernel": "mma"``,
+and split into the words' field positions in registers, as int4's per-group rows launches split it
+into their even and odd columns), int4 on the tensor cores (``"kernel": "mma"``,
 "mma"), and, for int4 without folds, tinygemm
 (``aten._weight_int4pack_mm``, the kernel gpt-fast's int4 path uses) as the contender. The step
 sums 16 layers of each projection plus the lm_head; the floor is the weights' bytes at the measured
@@ -51,7 +52,7 @@ CONFIGS = [(1, 1024, 4), (2, 1024, 4), (4, 1024, 4), (2, 2048, 4), (4, 2048, 8),
 #: every BLOCK_N rows; it holds a whole row, so rows up to TILES_MAX_K columns. Each swept per row or
 #: group ("tiles") and with "dequant": "bits" ("tilesbits").
 TILE_CONFIGS = [(1, 4, 4, 3), (2, 4, 4, 3), (4, 4, 4, 3), (4, 2, 8, 3), (8, 2, 8, 2), (8, 4, 8, 2)]
-#: The rows kernel's launches swept with "x": "split" too ("bitsx"; the tiles kernel's: "tilesbitsx",
+#: The rows kernel's launches swept with "x": "split" too ("bitsx", and int4 per group "groupx"; the tiles kernel's: "tilesbitsx",
 #: all of TILE_CONFIGS): those near the fastest "bits" launches of the last sweep
 #: (``benchmarks/h100-2026-12-07-quantized-step/gemv``).
 SPLIT_CONFIGS = [(4, 1024, 4), (4, 2048, 8), (8, 512, 4), (8, 1024, 8), (16, 512, 4)]
@@ -66,21 +67,22 @@ VARIANTS = {  # step variant: the weights it reads
     "cublas_bf16": "bf16", "gemv_bf16": "bf16", "gemv_int8": "int8", "gemv_int8_pervalue": "int8",
     "gemv_int4": "int4", "gemv_int4_pervalue": "int4", "tinygemm_int4": "int4",
     "gemv_int8_best": "int8", "gemv_int4_best": "int4", "gemv_int8_bits_best": "int8", "gemv_int4_bits_best": "int4",
-    "gemv_int8_bitsx_best": "int8", "gemv_int4_bitsx_best": "int4", "gemv_int4_mma_best": "int4",
+    "gemv_int8_split_best": "int8", "gemv_int4_split_best": "int4", "gemv_int4_mma_best": "int4",
 }  # *_best: for each projection the fastest launch measured for it (what a default tuned on this run gives) of
 #    the forms the default may take (per row or group: the rows and tiles kernels); *_bits_best: the fastest
-#    "bits" launch of the rows and tiles kernels; *_bitsx_best: the fastest "bits" launch with "x": "split";
-#    gemv_int4_mma_best: the fastest tensor-core launch
-FORMS = ("plain", "bits", "bitsx", "mma")
+#    "bits" launch of the rows and tiles kernels; *_split_best: the fastest launch with "x": "split" (bits on
+#    both kernels, int4's per-group rows); gemv_int4_mma_best: the fastest tensor-core launch
+FORMS = ("plain", "bits", "split", "mma")
 
 
 def _form(key: str) -> str:
-    """A measured launch's form: "mma" (``gemv_int4_mma_*``), "bitsx" (``gemv_{scheme}_bitsx_*``,
-    ``_tilesbitsx_*``), "bits" (``_bits_*``, ``_tilesbits_*``) or "plain" (per row or group, per value)."""
+    """A measured launch's form: "mma" (``gemv_int4_mma_*``), "split" (``"x": "split"``:
+    ``gemv_{scheme}_bitsx_*``, ``_tilesbitsx_*``, ``gemv_int4_groupx_*``), "bits" (``_bits_*``,
+    ``_tilesbits_*``) or "plain" (per row or group, per value)."""
     if "_mma_" in key:
         return "mma"
-    if "_bitsx_" in key or "_tilesbitsx_" in key:
-        return "bitsx"
+    if "_bitsx_" in key or "_tilesbitsx_" in key or "_groupx_" in key:
+        return "split"
     return "bits" if "_bits_" in key or "_tilesbits_" in key else "plain"
 
 
@@ -178,6 +180,9 @@ def main() -> None:
                                                                "num_warps": warps, "dequant": "bits", "x": "split"}
                       for bn, bk, warps in SPLIT_CONFIGS}
             if scheme == "int4":
+                sweep |= {f"gemv_int4_groupx_{bn}x{bk}w{warps}": {"kernel": "rows", "BLOCK_N": bn, "BLOCK_K": bk,
+                                                                "num_warps": warps, "dequant": "group", "x": "split"}
+                          for bn, bk, warps in SPLIT_CONFIGS}
                 sweep |= {f"gemv_int4_mma_{bn}x{bk}w{warps}s{stages}": {
                     "kernel": "mma", "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
                     for bn, bk, warps, stages in MMA_CONFIGS}
@@ -220,7 +225,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     step = {}
     for variant in VARIANTS:
-        if variant.endswith(("_bits_best", "_bitsx_best", "_mma_best")) and not all(variant in row["us"] for row in rows):
+        if variant.endswith(("_bits_best", "_split_best", "_mma_best")) and not all(variant in row["us"] for row in rows):
             continue  # no such launch ran for some projection: no step to sum
         total = 0.0
         for row in rows:

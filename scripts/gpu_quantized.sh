@@ -7,8 +7,8 @@
 #       then the cuda tests of the quantized GEMV kernels
 #   scripts/gpu_quantized.sh skinny OUT_DIR     the few-row GEMM's sweep (scripts/bench_skinny_gemm.py: M = 1-16
 #       against cuBLAS, the GEMV and tinygemm, int4 in its per-value and "bits" forms), then its cuda tests
-# Budgets (seconds): PACKAGE_TEST_BUDGET_S (default 540), BENCH_BUDGET_S (kernels 300, skinny 360),
-# TEST_BUDGET_S (kernels 250, skinny 180).
+# Budgets (seconds): PACKAGE_TEST_BUDGET_S (default 540), BENCH_BUDGET_S (kernels 290, skinny 360),
+# TEST_BUDGET_S (kernels 270, skinny 180).
 set -uo pipefail
 PHASE=${1:?usage: scripts/gpu_quantized.sh packages|kernels|skinny OUT_DIR}
 OUT=${2:?usage: scripts/gpu_quantized.sh packages|kernels|skinny OUT_DIR}
@@ -38,11 +38,11 @@ if [ "$PHASE" = skinny ]; then
   echo "skinny tests rc $rc: $(tail -1 "$OUT/pytest_cuda_skinny.log")" | tee -a "$OUT/summary.txt"
   exit $status
 fi
-timeout -k 5 ${BENCH_BUDGET_S:-300} python3 scripts/bench_quantized_gemv.py --out "$OUT/quantized_gemv.json" > "$OUT/bench.log" 2>&1
+timeout -k 5 ${BENCH_BUDGET_S:-290} python3 scripts/bench_quantized_gemv.py --out "$OUT/quantized_gemv.json" > "$OUT/bench.log" 2>&1
 rc=$?; [ $rc = 0 ] || status=1
 echo "bench rc $rc" | tee -a "$OUT/summary.txt"
 tail -3 "$OUT/bench.log" >> "$OUT/summary.txt"
-timeout -k 5 ${TEST_BUDGET_S:-250} python3 -m pytest -q -m cuda tests/test_quantized_gemv.py -p no:cacheprovider \
+timeout -k 5 ${TEST_BUDGET_S:-270} python3 -m pytest -q -m cuda tests/test_quantized_gemv.py -p no:cacheprovider \
   > "$OUT/pytest_cuda.log" 2>&1
 rc=$?; [ $rc = 0 ] || status=1
 echo "kernel tests rc $rc: $(tail -1 "$OUT/pytest_cuda.log")" | tee -a "$OUT/summary.txt"

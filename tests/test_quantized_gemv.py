@@ -205,25 +205,31 @@ def test_interp_tiles_kernel_bits_form_where_it_falls_back(norm, gated, gate_fir
 
 #: the "bits" launches of both kernels whose ``x`` the option ``"x": "split"`` changes
 X_SPLIT_CONFIGS = [{"kernel": "rows", "BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 4, "dequant": "bits"},
-                   {"kernel": "tiles", "BLOCK_N": 4, "per_sm": 1, "num_warps": 4, "num_stages": 2, "dequant": "bits"}]
+                   {"kernel": "tiles", "BLOCK_N": 4, "per_sm": 1, "num_warps": 4, "num_stages": 2, "dequant": "bits"},
+                   {"kernel": "rows", "BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 4, "dequant": "group"}]
+
+
+def _x_split_id(config: dict) -> str:
+    return f"{config['kernel']}-{config['dequant']}"
 
 
 @interpreter_only
-@pytest.mark.parametrize("config", X_SPLIT_CONFIGS, ids=lambda c: c["kernel"])
+@pytest.mark.parametrize("config", X_SPLIT_CONFIGS, ids=_x_split_id)
 @pytest.mark.parametrize("scheme,group", SCHEMES)
 @pytest.mark.parametrize("norm, gated, gate_first, residual", FOLDS)
 def test_interp_x_split_reads_the_same_x_as_the_strided_fields(norm, gated, gate_first, residual, scheme, group, config):
-    """``"x": "split"`` (the chunk's ``x`` read once and split into the words' field positions in
-    registers) gives exactly the sums of the "bits" form that reads ``x`` at each field position
-    (the same values in the same order), and both match the float folds over ``W'``; 1152 columns:
-    the rows kernel's last chunk partial, the tiles kernel's ``x`` past ``K`` masked."""
+    """``"x": "split"`` (the chunk's ``x`` read once and split in registers: into the words' field
+    positions in the "bits" form, into int4's even and odd columns in the rows kernel's per-group
+    form) gives exactly the sums of the launch that reads ``x`` at each position (the same values
+    in the same order), and both match the float folds over ``W'``; 1152 columns: the rows
+    kernel's last chunk partial, the tiles kernel's ``x`` past ``K`` masked."""
     from offgraph_export.kernels.triton_gemv import _dequant_form, gemv_launch
 
     n, k = 96, 1152
     x, w, nw, res = _fold_inputs(n, k, torch.float32, norm, gated, residual)
     b = torch.randn(n, generator=torch.Generator().manual_seed(5))
     stored, w_prime = _quantized(w, scheme, group)
-    assert _dequant_form(config, 4 if group else 8, stored.qweight, k, group or 0) == "bits"
+    assert _dequant_form(config, 4 if group else 8, stored.qweight, k, group or 0) == config["dequant"]
     launch = dict(scales=stored.scales, zeros=stored.zeros, group_size=group or 0, bias=b)
     fields = gemv_launch(x, stored.qweight, nw, 1e-5, res, gated, gate_first, config, **launch)
     split = gemv_launch(x, stored.qweight, nw, 1e-5, res, gated, gate_first, config | {"x": "split"}, **launch)
@@ -313,7 +319,7 @@ def test_quantized_gemv_matches_on_cuda(n, k, norm, gated, gate_first, residual,
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("config", X_SPLIT_CONFIGS, ids=lambda c: c["kernel"])
+@pytest.mark.parametrize("config", X_SPLIT_CONFIGS, ids=_x_split_id)
 @pytest.mark.parametrize("scheme,group", SCHEMES)
 @pytest.mark.parametrize("n, k, norm, gated, gate_first, residual", [c for c in CUDA_CASES if c[3] or c[5]])
 def test_quantized_gemv_x_split_matches_on_cuda(n, k, norm, gated, gate_first, residual, scheme, group, config):

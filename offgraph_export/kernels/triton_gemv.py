@@ -411,7 +411,9 @@ def _gemv_kernel(
     group). BY_GROUP: scales applied per row or group; with BITS too, the rows read as int32 words
     and converted by bit logic (:func:`_bits_chunk`; ``stride_wn`` in words, given so from the host
     so that its specialization as a multiple of 16 tells the compiler the rows' word loads are
-    aligned; ``ACC_K`` the chunk's groups for int4, its words for int8). Every intermediate an eager decode layer would store is rounded to the output
+    aligned; ``ACC_K`` the chunk's groups for int4, its words for int8). X_SPLIT: a chunk's ``x``
+    read once, contiguously, and split in registers (into the words' field positions with BITS,
+    else int4's even and odd columns). Every intermediate an eager decode layer would store is rounded to the output
     dtype here. BIAS: the linear's bias joins the fp32 sum before its rounding, as a GEMM's bias
     epilogue adds it."""
     pid = tl.program_id(0)
@@ -439,7 +441,10 @@ def _gemv_kernel(
             if GATED:
                 acc_up += up
         else:
-            if QUANT == 4:
+            if QUANT == 4 and X_SPLIT:  # read once, split into the even and odd columns in registers
+                xa, xb = tl.split(tl.reshape(_x_at(x_ptr, norm_ptr, k0 + tl.arange(0, BLOCK_K), K, rstd, dt, NORM),
+                                             (BLOCK_K // 2, 2)))
+            elif QUANT == 4:
                 even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
                 xa = _x_at(x_ptr, norm_ptr, even, K, rstd, dt, NORM)
                 xb = _x_at(x_ptr, norm_ptr, even + 1, K, rstd, dt, NORM)
@@ -733,7 +738,8 @@ def gemv_launch(x, w, norm_weight=None, eps=0.0, residual=None, gated=False, gat
     words (:func:`_dequant_form`: int4 ``K % 8``, int8 ``K % 4``, the row stride or offset not a
     multiple of 4 bytes) or an int4 group is not (``group_size % 8``); with it, ``"x": "split"``
     reads a chunk's ``x`` once and splits it into the words' field positions in registers
-    (:func:`_x_split`) instead of reading it again at each (the same sums). With ``scales`` the weight
+    (:func:`_x_split`) instead of reading it again at each (the same sums); so too the rows
+    kernel's int4 per-group and per-value forms, into the even and odd columns. With ``scales`` the weight
     is quantized (design section 11): int8 ``[N, K]`` and scales ``[N]``, or with ``zeros`` and
     ``group_size`` int4 ``[N, K / 2]`` and scales and zeros ``[N, K / group_size]``. ``bias``:
     ``[N]``, the linear's (Qwen-style q/k/v projections)."""
@@ -816,7 +822,7 @@ def gemv_launch(x, w, norm_weight=None, eps=0.0, residual=None, gated=False, gat
         args = (flat, w, out, norm, res, s_arg, z_arg, b_arg, n_out, k, stride_wn, stride_sn, gate_offset, up_offset, eps)
         torch.library.wrap_triton(_gemv_kernel)[(tiles, 1, 1)](
             *args, QUANT=quant, GROUP=max(group_size, 1), BIAS=bias is not None, BY_GROUP=by_group, BITS=bits,
-            BLOCK_K=block_k, ACC_K=acc_k, X_SPLIT=bits and config.get("x", "fields") == "split", **flags,
+            BLOCK_K=block_k, ACC_K=acc_k, X_SPLIT=(bits or quant == 4) and config.get("x", "fields") == "split", **flags,
         )
     return out
 
