@@ -19,31 +19,28 @@ cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv | tee -a "$OUT/summary.txt"
 status=0
-if [ "$PHASE" = packages ]; then
-  timeout -k 5 ${PACKAGE_TEST_BUDGET_S:-540} python3 -m pytest -v -m cuda tests/test_quantize.py -p no:cacheprovider \
-    > "$OUT/pytest_cuda_packages.log" 2>&1
-  rc=$?; [ $rc = 0 ] || status=1
-  echo "package tests rc $rc: $(tail -1 "$OUT/pytest_cuda_packages.log")" | tee -a "$OUT/summary.txt"
+# step BUDGET_S LOG WHAT COMMAND...: COMMAND into OUT/LOG under a time limit, its rc and last line into the summary
+step() {
+  local budget=$1 log=$2 what=$3; shift 3
+  timeout -k 5 "$budget" "$@" > "$OUT/$log" 2>&1
+  local rc=$?; [ $rc = 0 ] || status=1
+  echo "$what rc $rc: $(tail -1 "$OUT/$log")" | tee -a "$OUT/summary.txt"
+}
+case "$PHASE" in
+packages)
+  step ${PACKAGE_TEST_BUDGET_S:-540} pytest_cuda_packages.log "package tests" \
+    python3 -m pytest -v -m cuda tests/test_quantize.py -p no:cacheprovider
   grep -E "PASSED|FAILED|ERROR" "$OUT/pytest_cuda_packages.log" | tee -a "$OUT/summary.txt"
-  exit $status
-fi
-if [ "$PHASE" = skinny ]; then
-  timeout -k 5 ${BENCH_BUDGET_S:-360} python3 scripts/bench_skinny_gemm.py --out "$OUT/skinny.json" > "$OUT/skinny.log" 2>&1
-  rc=$?; [ $rc = 0 ] || status=1
-  echo "skinny sweep rc $rc" | tee -a "$OUT/summary.txt"
+  ;;
+skinny)
+  step ${BENCH_BUDGET_S:-360} skinny.log "skinny sweep" python3 scripts/bench_skinny_gemm.py --out "$OUT/skinny.json"
   tail -2 "$OUT/skinny.log" >> "$OUT/summary.txt"
-  timeout -k 5 ${TEST_BUDGET_S:-180} python3 -m pytest -q -m cuda tests/test_skinny_gemm.py -p no:cacheprovider \
-    > "$OUT/pytest_cuda_skinny.log" 2>&1
-  rc=$?; [ $rc = 0 ] || status=1
-  echo "skinny tests rc $rc: $(tail -1 "$OUT/pytest_cuda_skinny.log")" | tee -a "$OUT/summary.txt"
-  exit $status
-fi
-timeout -k 5 ${BENCH_BUDGET_S:-290} python3 scripts/bench_quantized_gemv.py --out "$OUT/quantized_gemv.json" > "$OUT/bench.log" 2>&1
-rc=$?; [ $rc = 0 ] || status=1
-echo "bench rc $rc" | tee -a "$OUT/summary.txt"
-tail -3 "$OUT/bench.log" >> "$OUT/summary.txt"
-timeout -k 5 ${TEST_BUDGET_S:-270} python3 -m pytest -q -m cuda tests/test_quantized_gemv.py -p no:cacheprovider \
-  > "$OUT/pytest_cuda.log" 2>&1
-rc=$?; [ $rc = 0 ] || status=1
-echo "kernel tests rc $rc: $(tail -1 "$OUT/pytest_cuda.log")" | tee -a "$OUT/summary.txt"
+  step ${TEST_BUDGET_S:-180} pytest_cuda_skinny.log "skinny tests" python3 -m pytest -q -m cuda tests/test_skinny_gemm.py -p no:cacheprovider
+  ;;
+kernels)
+  step ${BENCH_BUDGET_S:-290} bench.log bench python3 scripts/bench_quantized_gemv.py --out "$OUT/quantized_gemv.json"
+  tail -3 "$OUT/bench.log" >> "$OUT/summary.txt"
+  step ${TEST_BUDGET_S:-270} pytest_cuda.log "kernel tests" python3 -m pytest -q -m cuda tests/test_quantized_gemv.py -p no:cacheprovider
+  ;;
+esac
 exit $status

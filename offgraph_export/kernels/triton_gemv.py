@@ -59,7 +59,7 @@ from offgraph_export.kernels.triton_base import (
     tl,
     triton,
 )
-from offgraph_export.kernels.triton_skinny_gemm import _one_plus_sixteenths
+from offgraph_export.kernels.triton_skinny_gemm import _int4_dot_group, int4_dot_block_k
 
 __all__ = ["OP_NAME", "triton_gemv", "gemv_applies", "MAX_GEMV_ROWS", "MAX_GATED_ROWS"]
 
@@ -159,6 +159,18 @@ def _rms_normed(x, scale, rstd, dt: tl.constexpr):
     """RMSNorm of ``x`` given its ``rstd``, in the eager rounding order: normalize in fp32, round
     to ``dt``, scale by the (fp32) weight, round."""
     return (scale * (x.to(tl.float32) * rstd).to(dt).to(tl.float32)).to(dt)
+
+
+@triton.jit
+def _rstd(x_ptr, K, eps, BLOCK_K: tl.constexpr):
+    """The RMSNorm's ``1 / sqrt(mean(x^2) + eps)`` over ``x``'s ``K`` values, ``BLOCK_K`` a step (the
+    kernels whose chunks do not hold the whole row)."""
+    squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        xs = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+        squares += xs * xs
+    return tl.math.rsqrt(tl.sum(squares, axis=0) / K + eps)
 
 
 @triton.jit
@@ -422,12 +434,7 @@ def _gemv_kernel(
     row_ok = rows < N
     rstd = 0.0
     if NORM:
-        squares = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            xs = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-            squares += xs * xs
-        rstd = tl.math.rsqrt(tl.sum(squares, axis=0) / K + eps)
+        rstd = _rstd(x_ptr, K, eps, BLOCK_K)
     acc = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
     if GATED:
         acc_up = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
@@ -599,25 +606,6 @@ def _gemv_tiles_kernel(
 
 
 @triton.jit
-def _mma_group(w_ptr, s_ptr, z_ptr, w_rows, s_rows, row_ok, c0, K, x16, dt: tl.constexpr, GROUP: tl.constexpr,
-               PRECISION: tl.constexpr):
-    """One int4 group (columns ``[c0, c0 + GROUP)``) of the rows at byte offsets ``w_rows`` (scale
-    and zero offsets ``s_rows``) against ``x16`` (``[16, GROUP]`` in ``dt``, ``x`` in row 0, the
-    other rows 0): the dot over ``1 + q / 16`` times ``16 s`` (``[16, BLOCK_N]``) and the
-    coefficient of the group's ``sum(x)``, ``z - 24 s`` (``[BLOCK_N]``), as
-    :func:`_int4_bits_groups` folds them."""
-    half = c0 // 2 + tl.arange(0, GROUP // 2)
-    b = tl.load(w_ptr + w_rows[:, None] + half[None, :], mask=row_ok[:, None] & (2 * half < K)[None, :], other=0)
-    q = tl.interleave(_one_plus_sixteenths(b & 15, dt), _one_plus_sixteenths(b >> 4, dt))
-    d = tl.dot(x16, tl.trans(q), input_precision=PRECISION)
-    group = c0 // GROUP
-    gok = row_ok & (group * GROUP + tl.zeros_like(s_rows) < K)
-    s = tl.load(s_ptr + s_rows + group, mask=gok, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + s_rows + group, mask=gok, other=0.0).to(tl.float32)
-    return d * (16.0 * s)[None, :], z - 24.0 * s
-
-
-@triton.jit
 def _gemv_mma_kernel(
     x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, s_ptr, z_ptr, b_ptr, N, K, stride_wn, stride_sn, gate_offset, up_offset, eps,
     NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, GROUP: tl.constexpr, BIAS: tl.constexpr,
@@ -626,20 +614,15 @@ def _gemv_mma_kernel(
     """Program p: output features ``[p * BLOCK_N, (p + 1) * BLOCK_N)`` over int4 rows (``[N, K / 2]``,
     a scale and a zero per ``GROUP`` columns), on the tensor cores: ``x`` (RMS-normalized when
     NORM, rounded as the other kernels round it) padded to a 16-row tile whose other rows are 0,
-    ``BLOCK_K`` columns (whole groups) a step, one dot a group (:func:`_mma_group`). The epilogue
-    and BIAS as the other kernels'."""
+    ``BLOCK_K`` columns (whole groups) a step, one dot a group (``triton_skinny_gemm._int4_dot_group``).
+    The epilogue and BIAS as the other kernels'."""
     pid = tl.program_id(0)
     dt = out_ptr.dtype.element_ty
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     rstd = 0.0
     if NORM:
-        squares = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            xs = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-            squares += xs * xs
-        rstd = tl.math.rsqrt(tl.sum(squares, axis=0) / K + eps)
+        rstd = _rstd(x_ptr, K, eps, BLOCK_K)
     first = tl.arange(0, 16) == 0
     gate_rows = (rows + gate_offset).to(tl.int64)
     up_rows = (rows + up_offset).to(tl.int64)
@@ -654,13 +637,13 @@ def _gemv_mma_kernel(
             xg = _x_at(x_ptr, norm_ptr, c0 + tl.arange(0, GROUP), K, rstd, dt, NORM)
             x16 = tl.where(first[:, None], xg[None, :], 0.0).to(dt)
             xsum = tl.sum(xg, axis=0)
-            d, zc = _mma_group(w_ptr, s_ptr, z_ptr, gate_rows * stride_wn, gate_rows * stride_sn, row_ok, c0, K, x16, dt,
-                               GROUP, PRECISION)
+            d, zc = _int4_dot_group(w_ptr, s_ptr, z_ptr, gate_rows * stride_wn, gate_rows * stride_sn, row_ok, c0, K, x16,
+                                    dt, GROUP, PRECISION)
             acc += d
             acc_z += xsum * zc
             if GATED:
-                d, zc = _mma_group(w_ptr, s_ptr, z_ptr, up_rows * stride_wn, up_rows * stride_sn, row_ok, c0, K, x16, dt,
-                                   GROUP, PRECISION)
+                d, zc = _int4_dot_group(w_ptr, s_ptr, z_ptr, up_rows * stride_wn, up_rows * stride_sn, row_ok, c0, K, x16,
+                                        dt, GROUP, PRECISION)
                 acc_up += d
                 acc_up_z += xsum * zc
     proj = tl.sum(tl.where(first[:, None], acc, 0.0), axis=0) + acc_z
@@ -786,12 +769,7 @@ def gemv_launch(x, w, norm_weight=None, eps=0.0, residual=None, gated=False, gat
     z_arg = zeros if quant else flat
     b_arg = bias if bias is not None else flat
     if config["kernel"] == "mma":
-        if quant != 4 or group_size % 16 or group_size & (group_size - 1):
-            raise ValueError(f"the \"mma\" kernel reads int4 weights in groups of a power of two of at least 16 "
-                             f"values, not {'int%d' % quant if quant else 'float'} weights in groups of {group_size}")
-        block_k = max(config["BLOCK_K"], group_size)
-        if block_k % group_size:
-            raise ValueError(f"BLOCK_K {block_k} must hold whole groups of {group_size}")
+        block_k = int4_dot_block_k(quant, group_size, config["BLOCK_K"], 'the "mma" kernel')
         args = (flat, w, out, norm, res, s_arg, z_arg, b_arg, n_out, k, w.stride(0), stride_sn, gate_offset, up_offset, eps)
         torch.library.wrap_triton(_gemv_mma_kernel)[(tiles, 1, 1)](
             *args, GROUP=group_size, BIAS=bias is not None, BLOCK_K=block_k, NUM_STAGES=config.get("num_stages", 2),

@@ -17,7 +17,8 @@ int4 has a second form, ``dequant="bits"``: each nibble ``q`` put by integer log
 mantissa of the dtype's 1.0 (``1 + q / 16``, exact in bf16, fp16 and fp32: no int-to-float
 conversion and no per-value scale), one ``tl.dot`` a group, and the group's scale and zero applied
 to the dot's ``[16, BLOCK_N]`` result, ``16 s * dot + (z - 24 s) * sum(x)`` (the decode GEMV's
-"bits" algebra, ``triton_gemv._int4_bits_groups``): the per-value work is three integer operations.
+"bits" algebra, ``triton_gemv._int4_bits_groups``; :func:`_int4_dot_group`, which the decode
+GEMV's "mma" kernel calls too): the per-value work is three integer operations.
 It differs from the per-value form by fp32's rounding of the sums, not by ``W'``'s rounding.
 
 A launch option for measurement only (``scripts/bench_skinny_gemm.py`` sweeps it against cuBLAS
@@ -37,7 +38,7 @@ import torch
 
 from offgraph_export.kernels.triton_base import tl, triton
 
-__all__ = ["MAX_ROWS", "SKINNY_CONFIGS", "skinny_gemm"]
+__all__ = ["MAX_ROWS", "SKINNY_CONFIGS", "int4_dot_block_k", "skinny_gemm"]
 
 #: rows of ``x`` a launch takes (tl.dot's smallest M tile)
 MAX_ROWS = 16
@@ -56,6 +57,26 @@ def _one_plus_sixteenths(nibbles, dt: tl.constexpr):
         return ((nibbles.to(tl.int16) << 6) | 0x3C00).to(tl.float16, bitcast=True)
     else:
         return ((nibbles.to(tl.int32) << 19) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _int4_dot_group(w_ptr, s_ptr, z_ptr, w_rows, s_rows, row_ok, c0, K, x, dt: tl.constexpr, GROUP: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """One int4 group (columns ``[c0, c0 + GROUP)``) of the rows at byte offsets ``w_rows`` (scale
+    and zero offsets ``s_rows``) against ``x`` (``[16, GROUP]`` in ``dt``), on the tensor cores: the
+    dot over ``1 + q / 16`` (:func:`_one_plus_sixteenths`) times ``16 s`` (``[16, BLOCK_N]``) and
+    the coefficient of the group's ``sum(x)``, ``z - 24 s`` (``[BLOCK_N]``): ``(q - 8) s + z``
+    summed against ``x`` is their sum. Masked past ``K`` (whole groups). The "bits" form here and
+    the decode GEMV's "mma" kernel (``triton_gemv._gemv_mma_kernel``)."""
+    half = c0 // 2 + tl.arange(0, GROUP // 2)
+    b = tl.load(w_ptr + w_rows[:, None] + half[None, :], mask=row_ok[:, None] & (2 * half < K)[None, :], other=0)
+    q = tl.interleave(_one_plus_sixteenths(b & 15, dt), _one_plus_sixteenths(b >> 4, dt))
+    d = tl.dot(x, tl.trans(q), input_precision=PRECISION)
+    group = c0 // GROUP
+    gok = row_ok & (group * GROUP + tl.zeros_like(s_rows) < K)
+    s = tl.load(s_ptr + s_rows + group, mask=gok, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + s_rows + group, mask=gok, other=0.0).to(tl.float32)
+    return d * (16.0 * s)[None, :], z - 24.0 * s
 
 
 @triton.jit
@@ -84,16 +105,9 @@ def _skinny_gemm_kernel(
                 cols = k0 + g * GROUP + tl.arange(0, GROUP)
                 col_ok = cols < K  # K is whole groups: a group is in or out
                 x = tl.load(x_ptr + m[:, None] * stride_xm + cols[None, :], mask=m_ok[:, None] & col_ok[None, :], other=0.0)
-                half = (k0 + g * GROUP) // 2 + tl.arange(0, GROUP // 2)
-                b = tl.load(w_ptr + w_rows[:, None] + half[None, :], mask=row_ok[:, None] & (2 * half < K)[None, :], other=0)
-                q = tl.interleave(_one_plus_sixteenths(b & 15, dt), _one_plus_sixteenths(b >> 4, dt))
-                d = tl.dot(x.to(dt), tl.trans(q), input_precision=PRECISION)
-                group = (k0 + g * GROUP) // GROUP
-                gok = row_ok & (group * GROUP + tl.zeros_like(rows) < K)
-                sg = tl.load(s_ptr + rows.to(tl.int64) * stride_sn + group, mask=gok, other=0.0).to(tl.float32)
-                zg = tl.load(z_ptr + rows.to(tl.int64) * stride_sn + group, mask=gok, other=0.0).to(tl.float32)
-                xs = tl.sum(x.to(tl.float32), axis=1)
-                acc += d * (16.0 * sg)[None, :] + xs[:, None] * (zg - 24.0 * sg)[None, :]
+                d, zc = _int4_dot_group(w_ptr, s_ptr, z_ptr, w_rows, rows.to(tl.int64) * stride_sn, row_ok, k0 + g * GROUP,
+                                        K, x.to(dt), dt, GROUP, PRECISION)
+                acc += d + tl.sum(x.to(tl.float32), axis=1)[:, None] * zc[None, :]
         else:
             cols = k0 + tl.arange(0, BLOCK_K)
             col_ok = cols < K
@@ -115,6 +129,19 @@ def _skinny_gemm_kernel(
     if QUANT == 8:
         acc = acc * tl.load(s_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + m[:, None] * stride_om + rows[None, :], acc.to(dt), mask=m_ok[:, None] & row_ok[None, :])
+
+
+def int4_dot_block_k(quant: int, group_size: int, block_k: int, what: str) -> int:
+    """The ``BLOCK_K`` a launch of :func:`_int4_dot_group` takes for ``block_k``: at least a group,
+    whole groups; refused (``ValueError`` naming ``what``) unless the weight is int4 in groups of a
+    power of two of at least 16 values (a ``tl.dot`` and an ``arange`` a group)."""
+    if quant != 4 or group_size < 16 or group_size & (group_size - 1):
+        raise ValueError(f"{what} reads int4 weights in groups of a power of two of at least 16 values, not "
+                         f"{'int%d' % quant if quant else 'float'} weights in groups of {group_size}")
+    block_k = max(block_k, group_size)
+    if block_k % group_size:
+        raise ValueError(f"BLOCK_K {block_k} must hold whole groups of {group_size}")
+    return block_k
 
 
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor, scales: Optional[torch.Tensor] = None,
@@ -140,12 +167,7 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, scales: Optional[torch.Tensor]
         raise ValueError(f"dequant is \"value\" or \"bits\", not {dequant!r}")
     bits = dequant == "bits"
     if bits:
-        if quant != 4 or group_size % 16:
-            raise ValueError(f"the \"bits\" form reads int4 groups of a multiple of 16 values, not "
-                             f"{'int%d' % quant if quant else 'float'} weights in groups of {group_size}")
-        block_k = max(block_k, group_size)
-        if block_k % group_size:
-            raise ValueError(f"BLOCK_K {block_k} must hold whole groups of {group_size}")
+        block_k = int4_dot_block_k(quant, group_size, block_k, 'the "bits" form')
     x = x.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     s = scales.contiguous() if scales is not None else x
