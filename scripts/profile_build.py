@@ -15,6 +15,7 @@ package it writes is the one ``export`` writes.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import cProfile
 import io
@@ -40,9 +41,20 @@ def _describe(cmd: Any) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                        help="a torch._inductor.config setting for this run (a Python literal), e.g. aot_inductor.precompile_headers=False")
     parser.add_argument("export_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     export_args = [a for a in args.export_args if a != "--"]
+    import torch._inductor.config as inductor_config
+
+    settings = {}
+    for item in args.config:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--config {item!r}: expected KEY=VALUE")
+        settings[key] = ast.literal_eval(value)
+    inductor_config.patch(settings).__enter__()  # for the whole run; export's own options override per compile
 
     processes: list[dict[str, Any]] = []
     profiles: list[dict[str, Any]] = []
@@ -92,7 +104,8 @@ def main() -> None:
     from torch._dynamo import utils as dynamo_utils
 
     metrics = {k: [round(sum(v), 3), len(v)] for k, v in getattr(dynamo_utils, "compilation_time_metrics", {}).items()}
-    record = {"command": "python scripts/profile_build.py --out OUT -- " + " ".join(export_args), "wall_s": round(wall, 1),
+    configs = "".join(f" --config {item}" for item in args.config)
+    record = {"command": f"python scripts/profile_build.py --out OUT{configs} -- " + " ".join(export_args), "config": settings, "wall_s": round(wall, 1),
               "export": summary, "aoti_compile_calls": profiles, "processes": processes,
               "inductor_timers": dict(sorted(metrics.items(), key=lambda kv: -kv[1][0]))}
     Path(args.out).write_text(json.dumps(record, indent=1))
