@@ -25,6 +25,9 @@ build() {
   local rc=$?; [ $rc = 0 ] || status=1
   { echo "$name rc $rc"; tail -3 "$OUT/build_$name.log" | cut -c1-1500; } >> "$OUT/summary.txt"
 }
+# the precompiled headers live outside TORCHINDUCTOR_CACHE_DIR (one set per machine): the first run
+# builds them as a fresh machine does; the -O0 run reuses them, the no-header run has none
+rm -rf "$(python3 -c 'from torch._inductor.runtime.cache_dir_utils import default_cache_dir as d; print(d())')/precompiled_headers"
 build default --
 build O0 AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL=O0 -- &
 build nopch -- --config aot_inductor.precompile_headers=False &
