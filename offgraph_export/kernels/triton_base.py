@@ -17,6 +17,7 @@ __all__ = [
     "tl",
     "pow2_at_least",
     "sm_count",
+    "wait_for_inputs",
 ]
 
 
@@ -51,6 +52,23 @@ except ImportError as _exc:  # pragma: no cover - exercised on machines without 
 @triton.jit
 def _probe():
     pass
+
+
+try:  # griddepcontrol (sm_90+): Triton >= 3.3
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - an older or missing triton: PDL launches are then refused
+    gdc_launch_dependents = gdc_wait = None
+
+
+@triton.jit
+def wait_for_inputs(PDL: tl.constexpr):
+    """A kernel's first act under programmatic dependent launch (PDL: sm_90+, the launch's
+    ``launch_pdl``): let the next kernel's programs be scheduled now (they wait in turn), then wait
+    until the kernel before has finished and its writes are visible, before any input is read or
+    any output written. Without PDL, or launched without it, nothing (both are no-ops then)."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
 
 
 #: True when TRITON_INTERPRET=1 made ``triton.jit`` build interpreted kernels (the CPU tests). The

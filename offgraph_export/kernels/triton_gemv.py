@@ -58,6 +58,7 @@ from offgraph_export.kernels.triton_base import (
     sm_count,
     tl,
     triton,
+    wait_for_inputs,
 )
 from offgraph_export.kernels.triton_skinny_gemm import _int4_dot_group, int4_dot_block_k
 
@@ -414,7 +415,7 @@ def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, s_ptr, z_ptr, b_ptr, N, K, stride_wn, stride_sn, gate_offset, up_offset, eps,
     NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
     BIAS: tl.constexpr, BY_GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ACC_K: tl.constexpr, X_SPLIT: tl.constexpr,
+    ACC_K: tl.constexpr, X_SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program p: output features ``[p * BLOCK_N, (p + 1) * BLOCK_N)``, each the dot product of
     one contiguous weight row (two when GATED) with ``x``, read ``BLOCK_K`` columns at a time
@@ -427,7 +428,8 @@ def _gemv_kernel(
     read once, contiguously, and split in registers (into the words' field positions with BITS,
     else int4's even and odd columns). Every intermediate an eager decode layer would store is rounded to the output
     dtype here. BIAS: the linear's bias joins the fp32 sum before its rounding, as a GEMM's bias
-    epilogue adds it."""
+    epilogue adds it. PDL (all three kernels): :func:`~offgraph_export.kernels.triton_base.wait_for_inputs` first."""
+    wait_for_inputs(PDL)
     pid = tl.program_id(0)
     dt = out_ptr.dtype.element_ty
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -544,7 +546,7 @@ def _gemv_tiles_kernel(
     x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, s_ptr, z_ptr, b_ptr, N, K, stride_wn, stride_sn, gate_offset, up_offset, eps,
     NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
     BIAS: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    X_SPLIT: tl.constexpr,
+    X_SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
     """Persistent variant for rows that fit one block (``K <= BLOCK_K``): program p prepares
     ``x`` once (the RMSNorm prologue included), then walks the row tiles ``p, p + P, ...`` (P
@@ -557,6 +559,7 @@ def _gemv_tiles_kernel(
     words (``stride_wn`` in words) and converted by bit logic, against ``x`` at each field
     position (:func:`_x_fields`, or with X_SPLIT the ``x`` read above split in registers:
     :func:`_x_split`) and, for int4, each group's sum, prepared once a program too. BIAS as there."""
+    wait_for_inputs(PDL)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     dt = out_ptr.dtype.element_ty
@@ -609,13 +612,14 @@ def _gemv_tiles_kernel(
 def _gemv_mma_kernel(
     x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, s_ptr, z_ptr, b_ptr, N, K, stride_wn, stride_sn, gate_offset, up_offset, eps,
     NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, GROUP: tl.constexpr, BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program p: output features ``[p * BLOCK_N, (p + 1) * BLOCK_N)`` over int4 rows (``[N, K / 2]``,
     a scale and a zero per ``GROUP`` columns), on the tensor cores: ``x`` (RMS-normalized when
     NORM, rounded as the other kernels round it) padded to a 16-row tile whose other rows are 0,
     ``BLOCK_K`` columns (whole groups) a step, one dot a group (``triton_skinny_gemm._int4_dot_group``).
     The epilogue and BIAS as the other kernels'."""
+    wait_for_inputs(PDL)
     pid = tl.program_id(0)
     dt = out_ptr.dtype.element_ty
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -722,7 +726,11 @@ def gemv_launch(x, w, norm_weight=None, eps=0.0, residual=None, gated=False, gat
     multiple of 4 bytes) or an int4 group is not (``group_size % 8``); with it, ``"x": "split"``
     reads a chunk's ``x`` once and splits it into the words' field positions in registers
     (:func:`_x_split`) instead of reading it again at each (the same sums); so too the rows
-    kernel's int4 per-group and per-value forms, into the even and odd columns. With ``scales`` the weight
+    kernel's int4 per-group and per-value forms, into the even and odd columns. ``"pdl": True``
+    launches the kernel as a programmatic dependent launch (sm_90+; it waits for the kernel before
+    it on entry, :func:`~offgraph_export.kernels.triton_base.wait_for_inputs`), for eager launches
+    and their CUDA graphs (``scripts/bench_pdl.py``); ``"pdl": "code"`` compiles the wait in and
+    launches plainly (what the instructions cost alone). With ``scales`` the weight
     is quantized (design section 11): int8 ``[N, K]`` and scales ``[N]``, or with ``zeros`` and
     ``group_size`` int4 ``[N, K / 2]`` and scales and zeros ``[N, K / group_size]``. ``bias``:
     ``[N]``, the linear's (Qwen-style q/k/v projections)."""
@@ -763,7 +771,9 @@ def gemv_launch(x, w, norm_weight=None, eps=0.0, residual=None, gated=False, gat
     if config.get("x", "fields") not in ("fields", "split"):
         raise ValueError(f"a launch's \"x\" is \"fields\" or \"split\", not {config['x']!r}")
     flags = dict(NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None,
-                 BLOCK_N=config["BLOCK_N"], num_warps=config["num_warps"])
+                 BLOCK_N=config["BLOCK_N"], num_warps=config["num_warps"], PDL=bool(config.get("pdl")))
+    if config.get("pdl") is True:  # eager launches only (scripts/bench_pdl.py): AOTInductor's launcher sets no launch attributes
+        flags["launch_pdl"] = True
     tiles = triton.cdiv(n_out, config["BLOCK_N"])
     s_arg = scales if quant else flat
     z_arg = zeros if quant else flat

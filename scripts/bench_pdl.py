@@ -1,0 +1,107 @@
+"""What programmatic dependent launch (PDL, sm_90+) would take off a decode step's chain of GEMVs.
+
+A decode step is a chain of small kernels, each waiting for the one before: on the H200 a
+Llama-3.2-1B layer's q|k|v, attention, o, gate|up and down took 48.7 us where their bytes take
+about 29.5 at the copy rate (``benchmarks/README.md``, session 7), a few us of fixed cost a kernel.
+Under PDL a kernel's programs are scheduled while the kernel before is still running and wait on
+entry (``griddepcontrol``; ``kernels/triton_base.wait_for_inputs``), so the launch and ramp of one
+overlap the tail of the other. AOTInductor's launcher sets no launch attributes, so this measures
+the chain eagerly launched and captured in a CUDA graph (which keeps the programmatic edges),
+before any of it goes into a package.
+
+The chain: 16 layers, each its own weights, of this project's decode GEMVs at the 1B shapes with
+their folds and default launches (q|k|v + RMSNorm, o + residual, gate|up + RMSNorm + SiLU*mul, down +
+residual; the attention left out: o reads the first 2048 outputs of q|k|v), bf16, int8 and int4
+(group 128). Per scheme three builds, timed in interleaved rounds: ``off`` (today's kernels),
+``pdl_code`` (the wait compiled in, launched without PDL: what the instructions cost alone) and
+``pdl`` (launched with PDL). The last layer's output must be bit-equal across the three.
+
+    python scripts/bench_pdl.py --out pdl.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench_attention import copy_rate, time_ms  # scripts/, the script's own folder
+
+from offgraph_export.kernels import triton_gemv as tg
+from offgraph_export.reference.weight_quant import quantize
+
+LAYERS = 16
+HIDDEN, QKV, INTER = 2048, 3072, 8192
+DT = torch.bfloat16
+MODES = ("off", "pdl_code", "pdl")
+
+
+def _weights(scheme: str, n: int, k: int, gen: torch.Generator) -> dict:
+    w = (torch.randn(n, k, generator=gen) * 0.02).to(DT)
+    if scheme == "bf16":
+        return {"w": w.cuda()}
+    q = quantize(w, scheme, 128 if scheme == "int4" else None)
+    return {"w": q.qweight.cuda(), "scales": q.scales.cuda(), "zeros": None if q.zeros is None else q.zeros.cuda(),
+            "group_size": 128 if scheme == "int4" else 0}
+
+
+def _launch(x, p, mode, norm=None, residual=None, gated=False):
+    quant = 0 if "scales" not in p else (4 if p["zeros"] is not None else 8)
+    n, k = int(p["w"].shape[0]), int(x.shape[-1])
+    config = dict(tg._config(k, gated, quant, n, False))
+    if mode != "off":
+        config["pdl"] = True if mode == "pdl" else "code"
+    extra = {"scales": p.get("scales"), "zeros": p.get("zeros"), "group_size": p.get("group_size", 0)}
+    return tg.gemv_launch(x, p["w"], norm, 1e-5, residual, gated, True, config, **extra)
+
+
+def _chain(layers, h, mode):
+    for layer in layers:
+        qkv = _launch(h, layer["qkv"], mode, norm=layer["norm1"])
+        h = _launch(qkv[:HIDDEN], layer["o"], mode, residual=h)
+        act = _launch(h, layer["gate_up"], mode, norm=layer["norm2"], gated=True)
+        h = _launch(act, layer["down"], mode, residual=h)
+    return h
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--schemes", nargs="+", default=["bf16", "int8", "int4"])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=50)
+    args = parser.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": LAYERS,
+              "copy_TBps": copy_rate() / 1e12, "schemes": {}, "command": "python scripts/bench_pdl.py --out pdl.json"}
+    for scheme in args.schemes:
+        t0 = time.perf_counter()
+        layers = [{"qkv": _weights(scheme, QKV, HIDDEN, gen), "o": _weights(scheme, HIDDEN, HIDDEN, gen),
+                   "gate_up": _weights(scheme, 2 * INTER, HIDDEN, gen), "down": _weights(scheme, HIDDEN, INTER, gen),
+                   "norm1": (1 + 0.1 * torch.randn(HIDDEN, generator=gen)).to(DT).cuda(),
+                   "norm2": (1 + 0.1 * torch.randn(HIDDEN, generator=gen)).to(DT).cuda()} for _ in range(LAYERS)]
+        h0 = torch.randn(HIDDEN, generator=gen).to(DT).cuda()
+        outs = {mode: _chain(layers, h0, mode) for mode in MODES}
+        torch.cuda.synchronize()
+        equal = {mode: bool(torch.equal(outs[mode], outs["off"])) for mode in MODES}
+        rounds = {mode: [] for mode in MODES}
+        for _ in range(args.rounds):
+            for mode in MODES:
+                rounds[mode].append(time_ms(lambda m=mode: _chain(layers, h0, m), args.reps) * 1e3)
+        per_layer = {mode: statistics.median(v) / LAYERS for mode, v in rounds.items()}
+        record["schemes"][scheme] = {"us_per_layer": per_layer, "rounds_us": rounds, "bit_equal_to_off": equal,
+                                     "pdl_saves_pct": 100 * (1 - per_layer["pdl"] / per_layer["off"]),
+                                     "build_s": time.perf_counter() - t0}
+        print(f"{scheme}: us a layer " + ", ".join(f"{m} {v:.2f}" for m, v in per_layer.items())
+              + f"; pdl saves {record['schemes'][scheme]['pdl_saves_pct']:.1f}%; bit-equal {equal}", flush=True)
+        del layers
+        torch.cuda.empty_cache()
+    Path(args.out).write_text(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()
