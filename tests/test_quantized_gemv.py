@@ -509,3 +509,68 @@ def test_gemv_at_the_7b_8b_shapes_on_cuda(n, k, gated):
     eager = _eager_folds(x, w, nw, 1e-5, None, gated, True, bias=bias)
     got = triton_gemv(x, w, nw, 1e-5, None, gated, True, bias=bias)
     _assert_as_close_as_eager(got, want, eager)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("scheme,group", [("bf16", None), *SCHEMES])
+def test_pdl_chain_in_a_cuda_graph_equals_plain_launches(scheme, group):
+    """Programmatic dependent launches (``"pdl": True``, ``kernels/triton_base.wait_for_inputs``)
+    of a chain whose every GEMV reads the one before's output (o + residual, gate|up + norm +
+    SiLU*mul, down + residual, four layers), captured in a CUDA graph and replayed: bit-equal to
+    the same chain launched plainly. A kernel that started reading before its input was written
+    would read the graph pool's stale or unwritten memory."""
+    from offgraph_export.kernels.triton_gemv import _config, gemv_launch
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm_90 or later")
+    gen = torch.Generator().manual_seed(3)
+
+    def weight(n, k):
+        w = (torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16)
+        if scheme == "bf16":
+            return {"w": w.cuda()}
+        stored, _ = _quantized(w, scheme, group)
+        return {"w": stored.qweight.cuda(), "scales": stored.scales.cuda(),
+                "zeros": None if stored.zeros is None else stored.zeros.cuda(), "group_size": group or 0}
+
+    layers = [(weight(2048, 2048), weight(2 * 8192, 2048), weight(2048, 8192)) for _ in range(4)]
+    norm = (1 + 0.1 * torch.randn(2048, generator=gen)).to(torch.bfloat16).cuda()
+    h0 = torch.randn(2048, generator=gen).to(torch.bfloat16).cuda()
+
+    def launch(x, p, pdl, **folds):
+        quant = 0 if "scales" not in p else (4 if p["zeros"] is not None else 8)
+        config = _config(x.shape[-1], folds.get("gated", False), quant, int(p["w"].shape[0]), False) | {"pdl": pdl}
+        return gemv_launch(x, p["w"], folds.get("norm"), 1e-5, folds.get("residual"), folds.get("gated", False), True,
+                           config, scales=p.get("scales"), zeros=p.get("zeros"), group_size=p.get("group_size", 0))
+
+    def chain(pdl):
+        h = h0
+        for o, gate_up, down in layers:
+            h = launch(h, o, pdl, residual=h)
+            h = launch(launch(h, gate_up, pdl, norm=norm, gated=True), down, pdl, residual=h)
+        return h
+
+    want = chain(False)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        chain(True)  # compiles the PDL kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = chain(True)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
+
+
+def test_a_launch_names_its_pdl_form():
+    """A launch's ``"pdl"`` is True, ``"code"`` or False: another value is refused by name before
+    anything runs."""
+    from offgraph_export.kernels.triton_gemv import _config, gemv_launch
+
+    x, w = torch.zeros(64, dtype=torch.bfloat16), torch.zeros(16, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="'yes'"):
+        gemv_launch(x, w, config=_config(64) | {"pdl": "yes"})

@@ -770,6 +770,8 @@ def gemv_launch(x, w, norm_weight=None, eps=0.0, residual=None, gated=False, gat
         config = _config(k, gated, quant, n, bias is not None)
     if config.get("x", "fields") not in ("fields", "split"):
         raise ValueError(f"a launch's \"x\" is \"fields\" or \"split\", not {config['x']!r}")
+    if config.get("pdl", False) not in (False, True, "code"):
+        raise ValueError(f"a launch's \"pdl\" is True, \"code\" or False, not {config['pdl']!r}")
     flags = dict(NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None,
                  BLOCK_N=config["BLOCK_N"], num_warps=config["num_warps"], PDL=bool(config.get("pdl")))
     if config.get("pdl") is True:  # eager launches only (scripts/bench_pdl.py): AOTInductor's launcher sets no launch attributes
