@@ -9,10 +9,11 @@ overlap the tail of the other. AOTInductor's launcher sets no launch attributes,
 the chain eagerly launched and captured in a CUDA graph (which keeps the programmatic edges),
 before any of it goes into a package.
 
-The chain: 16 layers, each its own weights, of this project's decode GEMVs at the 1B shapes with
-their folds and default launches (q|k|v + RMSNorm, o + residual, gate|up + RMSNorm + SiLU*mul, down +
-residual; the attention left out: o reads the first 2048 outputs of q|k|v), bf16, int8 and int4
-(group 128). Per scheme three builds, timed in interleaved rounds: ``off`` (today's kernels),
+The chain: 16 layers, each its own weights and K/V storage, of this project's decode kernels at the
+1B shapes with their folds and default launches: q|k|v + RMSNorm, the one-token attention pair
+(``kernels/attend_decode.py``: attend with the row write, combine; 32/8 heads of 64 over
+``--history`` stored positions, no rotary rows), o + residual, gate|up + RMSNorm + SiLU*mul, down +
+residual; six kernels a layer. bf16, int8 and int4 (group 128) weights. Per scheme three builds, timed in interleaved rounds: ``off`` (today's kernels),
 ``pdl_code`` (the wait compiled in, launched without PDL: what the instructions cost alone) and
 ``pdl`` (launched with PDL). The last layer's output must be bit-equal across the three.
 
@@ -32,10 +33,13 @@ import torch
 from bench_attention import copy_rate, time_ms  # scripts/, the script's own folder
 
 from offgraph_export.kernels import triton_gemv as tg
+from offgraph_export.kernels.attend_common import AttendLaunch, attention_output
+from offgraph_export.kernels.attend_decode import decode_step
 from offgraph_export.reference.weight_quant import quantize
 
 LAYERS = 16
 HIDDEN, QKV, INTER = 2048, 3072, 8192
+HQ, HKV, HEAD = 32, 8, 64
 DT = torch.bfloat16
 MODES = ("off", "pdl_code", "pdl")
 
@@ -59,10 +63,21 @@ def _launch(x, p, mode, norm=None, residual=None, gated=False):
     return tg.gemv_launch(x, p["w"], norm, 1e-5, residual, gated, True, config, **extra)
 
 
-def _chain(layers, h, mode):
+def _attend(qkv, layer, pos, mode):
+    q = qkv[:HIDDEN].view(1, HQ, 1, HEAD)
+    k = qkv[HIDDEN:HIDDEN + HKV * HEAD].view(1, HKV, 1, HEAD)
+    v = qkv[HIDDEN + HKV * HEAD:].view(1, HKV, 1, HEAD)
+    launch = AttendLaunch.for_step(q, k, v, layer["k_store"], layer["v_store"], None, HEAD ** -0.5)
+    out = attention_output(1, HQ, 1, HEAD, DT, qkv.device)
+    overrides = {} if mode == "off" else {"pdl": True if mode == "pdl" else "code"}
+    decode_step(q, k, v, pos, layer["k_store"], layer["v_store"], out, launch, overrides=overrides)
+    return out.reshape(HIDDEN)
+
+
+def _chain(layers, h, mode, pos):
     for layer in layers:
         qkv = _launch(h, layer["qkv"], mode, norm=layer["norm1"])
-        h = _launch(qkv[:HIDDEN], layer["o"], mode, residual=h)
+        h = _launch(_attend(qkv, layer, pos, mode), layer["o"], mode, residual=h)
         act = _launch(h, layer["gate_up"], mode, norm=layer["norm2"], gated=True)
         h = _launch(act, layer["down"], mode, residual=h)
     return h
@@ -74,24 +89,29 @@ def main() -> None:
     parser.add_argument("--schemes", nargs="+", default=["bf16", "int8", "int4"])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--history", type=int, default=1024)
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
-    record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": LAYERS,
+    record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": LAYERS, "history": args.history,
               "copy_TBps": copy_rate() / 1e12, "schemes": {}, "command": "python scripts/bench_pdl.py --out pdl.json"}
     for scheme in args.schemes:
         t0 = time.perf_counter()
         layers = [{"qkv": _weights(scheme, QKV, HIDDEN, gen), "o": _weights(scheme, HIDDEN, HIDDEN, gen),
                    "gate_up": _weights(scheme, 2 * INTER, HIDDEN, gen), "down": _weights(scheme, HIDDEN, INTER, gen),
                    "norm1": (1 + 0.1 * torch.randn(HIDDEN, generator=gen)).to(DT).cuda(),
-                   "norm2": (1 + 0.1 * torch.randn(HIDDEN, generator=gen)).to(DT).cuda()} for _ in range(LAYERS)]
+                   "norm2": (1 + 0.1 * torch.randn(HIDDEN, generator=gen)).to(DT).cuda(),
+                   "k_store": torch.randn(1, HKV, args.history + 64, HEAD, generator=gen).to(DT).cuda(),
+                   "v_store": torch.randn(1, HKV, args.history + 64, HEAD, generator=gen).to(DT).cuda()}
+                  for _ in range(LAYERS)]
+        pos = torch.tensor([args.history], device="cuda")
         h0 = torch.randn(HIDDEN, generator=gen).to(DT).cuda()
-        outs = {mode: _chain(layers, h0, mode) for mode in MODES}
+        outs = {mode: _chain(layers, h0, mode, pos) for mode in MODES}
         torch.cuda.synchronize()
         equal = {mode: bool(torch.equal(outs[mode], outs["off"])) for mode in MODES}
         rounds = {mode: [] for mode in MODES}
         for _ in range(args.rounds):
             for mode in MODES:
-                rounds[mode].append(time_ms(lambda m=mode: _chain(layers, h0, m), args.reps) * 1e3)
+                rounds[mode].append(time_ms(lambda m=mode: _chain(layers, h0, m, pos), args.reps) * 1e3)
         per_layer = {mode: statistics.median(v) / LAYERS for mode, v in rounds.items()}
         record["schemes"][scheme] = {"us_per_layer": per_layer, "rounds_us": rounds, "bit_equal_to_off": equal,
                                      "pdl_saves_pct": 100 * (1 - per_layer["pdl"] / per_layer["off"]),

@@ -40,7 +40,7 @@ from offgraph_export.kernels.attend_common import (
     partial_buffers,
     split_count,
 )
-from offgraph_export.kernels.triton_base import pow2_at_least, sm_count, tl, triton
+from offgraph_export.kernels.triton_base import pdl_flags, pow2_at_least, sm_count, tl, triton, wait_for_inputs
 
 __all__ = ["decode_step"]
 
@@ -73,7 +73,7 @@ def _decode_attend_kernel(
     HAS_WINDOW: tl.constexpr,
     QK_FP32: tl.constexpr, PV_FP32: tl.constexpr,
     ROPE: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (b * Hkv + kv head, split) of a one-token step: the row write and the attention of
     the ``GROUP`` query heads of one kv head in one launch. With ``ROPE`` the query and the new
@@ -91,7 +91,9 @@ def _decode_attend_kernel(
     in use writes the output; several leave partial ``(max, sum, acc)`` rows for
     :func:`_decode_combine_kernel`. With ``SOFTCAP`` every score, the new position's too, is capped
     before it enters the max; with ``HAS_SINKS`` split 0 also takes its heads' sinks
-    (:func:`_join_sinks`)."""
+    (:func:`_join_sinks`). PDL: :func:`~offgraph_export.kernels.triton_base.wait_for_inputs` first
+    (both kernels)."""
+    wait_for_inputs(PDL)
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b, kvh = _batch_and_head(pid_bh, n_kv_heads)
@@ -170,12 +172,13 @@ def _decode_combine_kernel(
     rows, window, n_kv_heads, num_splits,
     GROUP: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-    MIN_SPLIT_KEYS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    MIN_SPLIT_KEYS: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (b * Hkv + kv head, query head in the group) of a one-token step: merge the head's
     partial rows, all splits loaded at once (one round trip to memory rather than a loop of
     dependent loads): ``out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M)``. It recomputes the
     attention kernel's split plan; with a single split the output was already written."""
+    wait_for_inputs(PDL)
     pid_bh = tl.program_id(0)
     g = tl.program_id(1)
     b, kvh = _batch_and_head(pid_bh, n_kv_heads)
@@ -236,7 +239,8 @@ def decode_step(
     returned. ``rope``: ``(cos, sin)`` rows of the head dim to rotate the query and new key with,
     in the kernel. ``overrides`` replaces launch parameters (``splits``, ``min_split_keys``,
     ``BLOCK_N``, ``num_warps``, ``num_stages``) for ``scripts/sweep_decode_kernels.py``, which
-    calls this eagerly. ``sinks``: the ``[Hq]`` sink logits where ``launch.has_sinks``."""
+    calls this eagerly, and ``pdl`` (:func:`~offgraph_export.kernels.triton_base.pdl_flags`;
+    ``scripts/bench_pdl.py``). ``sinks``: the ``[Hq]`` sink logits where ``launch.has_sinks``."""
     overrides = overrides or {}
     b = q.shape[0]
     hkv = k.shape[1]
@@ -246,6 +250,7 @@ def decode_step(
     min_split_keys = overrides.get("min_split_keys", _DECODE_MIN_SPLIT_KEYS)
     launch = replace(launch, block_n=overrides.get("BLOCK_N", launch.block_n))
     tuning = {key: overrides[key] for key in ("num_warps", "num_stages") if key in overrides}
+    pdl = pdl_flags(overrides.get("pdl", False))
     rows = k_store.shape[2]
     part_acc, part_m, part_l = partial_buffers(b * hkv, splits, block_m, launch.block_dv, q.device)
     wrap_triton = torch.library.wrap_triton
@@ -259,13 +264,13 @@ def decode_step(
         *k_store.stride()[:3], *v_store.stride()[:3], out.stride(0), out.stride(1),
         rows, launch.window, hkv, launch.qk_scale, splits, launch.cap_scale,
         BLOCK_M=block_m, MIN_SPLIT_KEYS=min_split_keys, ROPE=rope is not None,
-        **launch.constexprs(), **launch.feature_constexprs(), **tuning,
+        **launch.constexprs(), **launch.feature_constexprs(), **tuning, **pdl,
     )
     wrap_triton(_decode_combine_kernel)[(b * hkv, group, 1)](
         pos, out, part_acc, part_m, part_l, out.stride(0), out.stride(1),
         rows, launch.window, hkv, splits,
         GROUP=group, V_DIM=launch.v_dim, BLOCK_DV=launch.block_dv, BLOCK_M=block_m,
         BLOCK_N=launch.block_n, BLOCK_S=pow2_at_least(splits, floor=2),
-        MIN_SPLIT_KEYS=min_split_keys, HAS_WINDOW=launch.has_window,
+        MIN_SPLIT_KEYS=min_split_keys, HAS_WINDOW=launch.has_window, **pdl,
     )
     return out

@@ -18,6 +18,7 @@ __all__ = [
     "pow2_at_least",
     "sm_count",
     "wait_for_inputs",
+    "pdl_flags",
 ]
 
 
@@ -69,6 +70,16 @@ def wait_for_inputs(PDL: tl.constexpr):
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
+
+
+def pdl_flags(pdl: object) -> dict:
+    """The launch keywords of a kernel taking :func:`wait_for_inputs`'s ``PDL`` for a launch's
+    ``"pdl"`` option: True (compiled in and launched as a programmatic dependent launch, eager
+    launches and their CUDA graphs only: AOTInductor's launcher sets no launch attributes),
+    ``"code"`` (compiled in, launched plainly: what the instructions cost alone) or False."""
+    if pdl not in (False, True, "code"):
+        raise ValueError(f"a launch's \"pdl\" is True, \"code\" or False, not {pdl!r}")
+    return {"PDL": bool(pdl), **({"launch_pdl": True} if pdl is True else {})}
 
 
 #: True when TRITON_INTERPRET=1 made ``triton.jit`` build interpreted kernels (the CPU tests). The

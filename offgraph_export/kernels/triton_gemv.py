@@ -57,6 +57,7 @@ from offgraph_export.kernels.triton_base import (
     pow2_at_least as _pow2_at_least,
     sm_count,
     tl,
+    pdl_flags,
     triton,
     wait_for_inputs,
 )
@@ -726,11 +727,9 @@ def gemv_launch(x, w, norm_weight=None, eps=0.0, residual=None, gated=False, gat
     multiple of 4 bytes) or an int4 group is not (``group_size % 8``); with it, ``"x": "split"``
     reads a chunk's ``x`` once and splits it into the words' field positions in registers
     (:func:`_x_split`) instead of reading it again at each (the same sums); so too the rows
-    kernel's int4 per-group and per-value forms, into the even and odd columns. ``"pdl": True``
-    launches the kernel as a programmatic dependent launch (sm_90+; it waits for the kernel before
-    it on entry, :func:`~offgraph_export.kernels.triton_base.wait_for_inputs`), for eager launches
-    and their CUDA graphs (``scripts/bench_pdl.py``); ``"pdl": "code"`` compiles the wait in and
-    launches plainly (what the instructions cost alone). With ``scales`` the weight
+    kernel's int4 per-group and per-value forms, into the even and odd columns. ``"pdl"``: a
+    programmatic dependent launch (:func:`~offgraph_export.kernels.triton_base.pdl_flags`;
+    ``scripts/bench_pdl.py``). With ``scales`` the weight
     is quantized (design section 11): int8 ``[N, K]`` and scales ``[N]``, or with ``zeros`` and
     ``group_size`` int4 ``[N, K / 2]`` and scales and zeros ``[N, K / group_size]``. ``bias``:
     ``[N]``, the linear's (Qwen-style q/k/v projections)."""
@@ -770,12 +769,8 @@ def gemv_launch(x, w, norm_weight=None, eps=0.0, residual=None, gated=False, gat
         config = _config(k, gated, quant, n, bias is not None)
     if config.get("x", "fields") not in ("fields", "split"):
         raise ValueError(f"a launch's \"x\" is \"fields\" or \"split\", not {config['x']!r}")
-    if config.get("pdl", False) not in (False, True, "code"):
-        raise ValueError(f"a launch's \"pdl\" is True, \"code\" or False, not {config['pdl']!r}")
     flags = dict(NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None,
-                 BLOCK_N=config["BLOCK_N"], num_warps=config["num_warps"], PDL=bool(config.get("pdl")))
-    if config.get("pdl") is True:  # eager launches only (scripts/bench_pdl.py): AOTInductor's launcher sets no launch attributes
-        flags["launch_pdl"] = True
+                 BLOCK_N=config["BLOCK_N"], num_warps=config["num_warps"], **pdl_flags(config.get("pdl", False)))
     tiles = triton.cdiv(n_out, config["BLOCK_N"])
     s_arg = scales if quant else flat
     z_arg = zeros if quant else flat
