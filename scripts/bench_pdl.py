@@ -13,9 +13,12 @@ The chain: 16 layers, each its own weights and K/V storage, of this project's de
 1B shapes with their folds and default launches: q|k|v + RMSNorm, the one-token attention pair
 (``kernels/attend_decode.py``: attend with the row write, combine; 32/8 heads of 64 over
 ``--history`` stored positions, no rotary rows), o + residual, gate|up + RMSNorm + SiLU*mul, down +
-residual; six kernels a layer. bf16, int8 and int4 (group 128) weights. Per scheme three builds, timed in interleaved rounds: ``off`` (today's kernels),
-``pdl_code`` (the wait compiled in, launched without PDL: what the instructions cost alone) and
-``pdl`` (launched with PDL). The last layer's output must be bit-equal across the three.
+residual; six kernels a layer. bf16, int8 and int4 (group 128) weights. Per scheme four builds, timed in interleaved rounds: ``off`` (today's kernels),
+``pdl_code`` (the wait compiled in, launched without PDL: what the instructions cost alone),
+``pdl`` (launched with PDL, the graph capturing programmatic edges) and ``edges`` (launched as
+``pdl_code``, the edges into the waiting kernels made programmatic after the capture by
+``graph_pdl.make_programmatic``: what a runtime could do to an AOTInductor package's step, whose
+launcher sets no attributes). The last layer's output must be bit-equal across the four.
 
     python scripts/bench_pdl.py --out pdl.json
 """
@@ -31,6 +34,7 @@ from pathlib import Path
 import torch
 
 from bench_attention import copy_rate, time_ms  # scripts/, the script's own folder
+from graph_pdl import kernel_names, make_programmatic
 
 from offgraph_export.kernels import triton_gemv as tg
 from offgraph_export.kernels.attend_common import AttendLaunch, attention_output
@@ -41,7 +45,9 @@ LAYERS = 16
 HIDDEN, QKV, INTER = 2048, 3072, 8192
 HQ, HKV, HEAD = 32, 8, 64
 DT = torch.bfloat16
-MODES = ("off", "pdl_code", "pdl")
+MODES = ("off", "pdl_code", "pdl", "edges")
+#: the kernels that wait on entry when compiled with PDL (the edges mode makes edges into them programmatic)
+WAITING = ("_gemv_kernel", "_gemv_tiles_kernel", "_gemv_mma_kernel", "_decode_attend_kernel", "_decode_combine_kernel")
 
 
 def _weights(scheme: str, n: int, k: int, gen: torch.Generator) -> dict:
@@ -53,12 +59,40 @@ def _weights(scheme: str, n: int, k: int, gen: torch.Generator) -> dict:
             "group_size": 128 if scheme == "int4" else 0}
 
 
+def _edges_graph_ms(fn, iters: int) -> tuple[float, int, list[str], torch.Tensor]:
+    """``fn`` captured (its kernels' waits compiled in, launched plainly), the edges into the waiting
+    kernels made programmatic, replayed: median ms, edges changed, the kernel names seen, the output."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(graph):
+        out = fn()
+    names = sorted(set(kernel_names(graph.raw_cuda_graph()).values()))
+    changed = make_programmatic(graph.raw_cuda_graph(), lambda name: name.startswith(WAITING))
+    graph.instantiate()
+    for _ in range(10):
+        graph.replay()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), changed, names, out
+
+
 def _launch(x, p, mode, norm=None, residual=None, gated=False):
     quant = 0 if "scales" not in p else (4 if p["zeros"] is not None else 8)
     n, k = int(p["w"].shape[0]), int(x.shape[-1])
     config = dict(tg._config(k, gated, quant, n, False))
     if mode != "off":
-        config["pdl"] = True if mode == "pdl" else "code"
+        config["pdl"] = True if mode == "pdl" else "code"  # edges: compiled in, launched plainly
     extra = {"scales": p.get("scales"), "zeros": p.get("zeros"), "group_size": p.get("group_size", 0)}
     return tg.gemv_launch(x, p["w"], norm, 1e-5, residual, gated, True, config, **extra)
 
@@ -105,19 +139,33 @@ def main() -> None:
                   for _ in range(LAYERS)]
         pos = torch.tensor([args.history], device="cuda")
         h0 = torch.randn(HIDDEN, generator=gen).to(DT).cuda()
-        outs = {mode: _chain(layers, h0, mode, pos) for mode in MODES}
+        outs = {mode: _chain(layers, h0, mode, pos) for mode in MODES if mode != "edges"}
         torch.cuda.synchronize()
-        equal = {mode: bool(torch.equal(outs[mode], outs["off"])) for mode in MODES}
         rounds = {mode: [] for mode in MODES}
+        changed, names, edges_error = 0, [], None
         for _ in range(args.rounds):
             for mode in MODES:
-                rounds[mode].append(time_ms(lambda m=mode: _chain(layers, h0, m, pos), args.reps) * 1e3)
+                if mode == "edges":
+                    try:
+                        ms, changed, names, got = _edges_graph_ms(lambda: _chain(layers, h0, "edges", pos), args.reps)
+                    except (RuntimeError, AttributeError, OSError) as exc:  # a driver without the edge API
+                        edges_error = f"{type(exc).__name__}: {exc}"
+                        ms, got = float("nan"), torch.full_like(h0, float("nan"))
+                    torch.cuda.synchronize()
+                    outs["edges"] = got.clone()
+                else:
+                    ms = time_ms(lambda m=mode: _chain(layers, h0, m, pos), args.reps)
+                rounds[mode].append(ms * 1e3)
+        equal = {mode: bool(torch.equal(outs[mode], outs["off"])) for mode in MODES}
         per_layer = {mode: statistics.median(v) / LAYERS for mode, v in rounds.items()}
         record["schemes"][scheme] = {"us_per_layer": per_layer, "rounds_us": rounds, "bit_equal_to_off": equal,
+                                     "edges_changed": changed, "kernel_names": names, "edges_error": edges_error,
+                                     "edges_saves_pct": 100 * (1 - per_layer["edges"] / per_layer["off"]),
                                      "pdl_saves_pct": 100 * (1 - per_layer["pdl"] / per_layer["off"]),
                                      "build_s": time.perf_counter() - t0}
         print(f"{scheme}: us a layer " + ", ".join(f"{m} {v:.2f}" for m, v in per_layer.items())
-              + f"; pdl saves {record['schemes'][scheme]['pdl_saves_pct']:.1f}%; bit-equal {equal}", flush=True)
+              + f"; pdl saves {record['schemes'][scheme]['pdl_saves_pct']:.1f}%, edges {record['schemes'][scheme]['edges_saves_pct']:.1f}%"
+              + f" ({changed} edges); bit-equal {equal}", flush=True)
         del layers
         torch.cuda.empty_cache()
     Path(args.out).write_text(json.dumps(record, indent=1))
