@@ -55,9 +55,9 @@ from offgraph_export.errors import ExportError
 from offgraph_export.kernels.triton_base import (
     TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR,
     pow2_at_least as _pow2_at_least,
+    pdl_flags,
     sm_count,
     tl,
-    pdl_flags,
     triton,
     wait_for_inputs,
 )
