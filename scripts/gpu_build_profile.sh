@@ -7,6 +7,8 @@
 # AOTInductor's wrapper compiled at -O0 (AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL, torch's knob;
 # its default is O1) and without its precompiled header (aot_inductor.precompile_headers=False).
 #   scripts/gpu_build_profile.sh OUT_DIR        (BUDGET_S per build, default 250)
+#   TOGETHER=1 scripts/gpu_build_profile.sh OUT_DIR   the default and no-header builds at once, no
+#       -O0 build (one budget for both: for a device call that has other work)
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_build_profile.sh OUT_DIR}
 mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
@@ -28,10 +30,16 @@ build() {
 # the precompiled headers live outside TORCHINDUCTOR_CACHE_DIR (one set per machine): the first run
 # builds them as a fresh machine does; the -O0 run reuses them, the no-header run has none
 rm -rf "$(python3 -c 'from torch._inductor.runtime.cache_dir_utils import default_cache_dir as d; print(d())')/precompiled_headers"
-build default --
-build O0 AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL=O0 -- &
-build nopch -- --config aot_inductor.precompile_headers=False &
-wait
+if [ "${TOGETHER:-0}" = 1 ]; then
+  build default -- &
+  build nopch -- --config aot_inductor.precompile_headers=False &
+  wait
+else
+  build default --
+  build O0 AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL=O0 -- &
+  build nopch -- --config aot_inductor.precompile_headers=False &
+  wait
+fi
 grep -q " rc [1-9]" "$OUT/summary.txt" && status=1
 cat "$OUT/summary.txt"
 exit $status
