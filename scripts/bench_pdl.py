@@ -152,7 +152,7 @@ def main() -> None:
                         outs["edges"] = got.clone()
                     else:
                         ms = time_ms(lambda m=mode: _chain(layers, h0, m, pos), args.reps)
-                except (RuntimeError, AttributeError, OSError) as exc:  # e.g. a driver without the edge API
+                except (RuntimeError, AttributeError, OSError, TypeError) as exc:  # e.g. a driver without the edge API
                     errors[mode] = f"{type(exc).__name__}: {exc}"
                     ms = float("nan")
                 rounds[mode].append(ms * 1e3)
