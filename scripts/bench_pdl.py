@@ -17,8 +17,10 @@ residual; six kernels a layer. bf16, int8 and int4 (group 128) weights. Per sche
 ``pdl_code`` (the wait compiled in, launched without PDL: what the instructions cost alone),
 ``pdl`` (launched with PDL, the graph capturing programmatic edges) and ``edges`` (launched as
 ``pdl_code``, the edges into the waiting kernels made programmatic after the capture by
-``graph_pdl.make_programmatic``: what a runtime could do to an AOTInductor package's step, whose
-launcher sets no attributes). The last layer's output must be bit-equal across the four.
+``runtime/graph_edges.make_programmatic``: what a runtime could do to an AOTInductor package's
+step, whose launcher sets no attributes). Every mode is timed as its captured graph replays; the
+graph's last output must be bit-equal to the plain eager chain's, and the record counts each
+graph's programmatic edges (a "pdl" capture that kept none would time "pdl_code" again).
 
     python scripts/bench_pdl.py --out pdl.json
 """
@@ -33,13 +35,13 @@ from pathlib import Path
 
 import torch
 
-from bench_attention import copy_rate, time_ms  # scripts/, the script's own folder
-from graph_pdl import kernel_names, make_programmatic
+from bench_attention import copy_rate  # scripts/, the script's own folder
 
 from offgraph_export.kernels import triton_gemv as tg
 from offgraph_export.kernels.attend_common import AttendLaunch, attention_output
 from offgraph_export.kernels.attend_decode import decode_step
 from offgraph_export.reference.weight_quant import quantize
+from offgraph_export.runtime.graph_edges import PROGRAMMATIC, edge_types, kernel_names, make_programmatic
 
 LAYERS = 16
 HIDDEN, QKV, INTER = 2048, 3072, 8192
@@ -59,9 +61,10 @@ def _weights(scheme: str, n: int, k: int, gen: torch.Generator) -> dict:
             "group_size": 128 if scheme == "int4" else 0}
 
 
-def _edges_graph_ms(fn, iters: int) -> tuple[float, int, list[str], torch.Tensor]:
-    """``fn`` captured (its kernels' waits compiled in, launched plainly), the edges into the waiting
-    kernels made programmatic, replayed: median ms, edges changed, the kernel names seen, the output."""
+def _graph_ms(fn, iters: int, edges: bool) -> dict:
+    """``fn`` warmed up on a side stream, captured, with ``edges`` the edges into the waiting kernels
+    made programmatic, replayed: median ms, edges changed, programmatic edges in the graph, the
+    kernel names seen, the output after the replays."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -71,8 +74,10 @@ def _edges_graph_ms(fn, iters: int) -> tuple[float, int, list[str], torch.Tensor
     graph = torch.cuda.CUDAGraph(keep_graph=True)
     with torch.cuda.graph(graph):
         out = fn()
-    names = sorted(set(kernel_names(graph.raw_cuda_graph()).values()))
-    changed = make_programmatic(graph.raw_cuda_graph(), lambda name: name.startswith(WAITING))
+    raw = graph.raw_cuda_graph()
+    names = sorted(set(kernel_names(raw).values()))
+    changed = make_programmatic(raw, lambda name: name.startswith(WAITING)) if edges else 0
+    programmatic = edge_types(raw)[PROGRAMMATIC]
     graph.instantiate()
     for _ in range(10):
         graph.replay()
@@ -84,7 +89,8 @@ def _edges_graph_ms(fn, iters: int) -> tuple[float, int, list[str], torch.Tensor
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times), changed, names, out
+    return {"ms": statistics.median(times), "changed": changed, "programmatic": programmatic, "names": names,
+            "out": out.clone()}
 
 
 def _launch(x, p, mode, norm=None, residual=None, gated=False):
@@ -139,32 +145,32 @@ def main() -> None:
                   for _ in range(LAYERS)]
         pos = torch.tensor([args.history], device="cuda")
         h0 = torch.randn(HIDDEN, generator=gen).to(DT).cuda()
-        outs = {mode: _chain(layers, h0, mode, pos) for mode in MODES if mode != "edges"}
+        want = _chain(layers, h0, "off", pos)  # plain eager launches: the output every graph must give
         torch.cuda.synchronize()
         rounds = {mode: [] for mode in MODES}
-        changed, names, errors = 0, [], {}
+        graphs: dict[str, dict] = {}
+        errors: dict[str, str] = {}
         for _ in range(args.rounds):
             for mode in MODES:
                 try:
-                    if mode == "edges":
-                        ms, changed, names, got = _edges_graph_ms(lambda: _chain(layers, h0, "edges", pos), args.reps)
-                        torch.cuda.synchronize()
-                        outs["edges"] = got.clone()
-                    else:
-                        ms = time_ms(lambda m=mode: _chain(layers, h0, m, pos), args.reps)
-                except (RuntimeError, AttributeError, OSError, TypeError) as exc:  # e.g. a driver without the edge API
+                    got = _graph_ms(lambda m=mode: _chain(layers, h0, m, pos), args.reps, edges=mode == "edges")
+                except Exception as exc:  # noqa: BLE001 - a benchmark records what failed (a driver without the edge API, an old card)
                     errors[mode] = f"{type(exc).__name__}: {exc}"
-                    ms = float("nan")
-                rounds[mode].append(ms * 1e3)
-        equal = {mode: bool(torch.equal(outs[mode], outs["off"])) for mode in MODES if mode in outs}
+                    rounds[mode].append(float("nan"))
+                    continue
+                rounds[mode].append(got["ms"] * 1e3)
+                graphs[mode] = {k: v for k, v in got.items() if k != "ms"}
+        equal = {mode: bool(torch.equal(g["out"], want)) for mode, g in graphs.items()}
+        edges = {mode: {"changed": g["changed"], "programmatic": g["programmatic"]} for mode, g in graphs.items()}
         per_layer = {mode: statistics.median(v) / LAYERS for mode, v in rounds.items()}
         saves = {mode: 100 * (1 - per_layer[mode] / per_layer["off"]) for mode in MODES if mode != "off"}
-        record["schemes"][scheme] = {"us_per_layer": per_layer, "rounds_us": rounds, "bit_equal_to_off": equal,
-                                     "saves_pct": saves, "edges_changed": changed, "kernel_names": names,
+        record["schemes"][scheme] = {"us_per_layer": per_layer, "rounds_us": rounds, "bit_equal_to_eager": equal,
+                                     "saves_pct": saves, "edges": edges,
+                                     "kernel_names": graphs.get("edges", graphs.get("off", {})).get("names", []),
                                      "errors": errors, "build_s": time.perf_counter() - t0}
         print(f"{scheme}: us a layer " + ", ".join(f"{m} {v:.2f}" for m, v in per_layer.items())
               + "; saves " + ", ".join(f"{m} {v:.1f}%" for m, v in saves.items())
-              + f" ({changed} edges made programmatic); bit-equal {equal}; errors {errors}", flush=True)
+              + f"; edges {edges}; bit-equal {equal}; errors {errors}", flush=True)
         Path(args.out).write_text(json.dumps(record, indent=1))  # what is done so far, should a later scheme fail
         del layers
         torch.cuda.empty_cache()

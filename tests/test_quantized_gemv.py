@@ -513,14 +513,19 @@ def test_gemv_at_the_7b_8b_shapes_on_cuda(n, k, gated):
 
 @pytest.mark.cuda
 @needs_cuda
+@pytest.mark.parametrize("edges", [False, True], ids=["pdl_launches", "edges_after_capture"])
 @pytest.mark.parametrize("scheme,group", [("bf16", None), *SCHEMES])
-def test_pdl_chain_in_a_cuda_graph_equals_plain_launches(scheme, group):
-    """Programmatic dependent launches (``"pdl": True``, ``kernels/triton_base.wait_for_inputs``)
-    of a chain whose every GEMV reads the one before's output (o + residual, gate|up + norm +
-    SiLU*mul, down + residual, four layers), captured in a CUDA graph and replayed: bit-equal to
-    the same chain launched plainly. A kernel that started reading before its input was written
-    would read the graph pool's stale or unwritten memory."""
+def test_pdl_chain_in_a_cuda_graph_equals_plain_launches(scheme, group, edges):
+    """A chain whose every GEMV reads the one before's output (o + residual, gate|up + norm +
+    SiLU*mul, down + residual, four layers), its kernels compiled to wait on entry
+    (``kernels/triton_base.wait_for_inputs``) and captured in a CUDA graph whose edges between them
+    are programmatic: launched as programmatic dependent launches (``"pdl": True``), or launched
+    plainly (``"code"``) and the edges made programmatic after the capture
+    (``runtime/graph_edges.make_programmatic``). The graph holds the programmatic edges, and each
+    replay on a fresh input is bit-equal to the chain launched plainly on that input: a kernel that
+    started before its input was written would read the last replay's values."""
     from offgraph_export.kernels.triton_gemv import _config, gemv_launch
+    from offgraph_export.runtime.graph_edges import PROGRAMMATIC, edge_types, make_programmatic
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs sm_90 or later")
@@ -536,7 +541,7 @@ def test_pdl_chain_in_a_cuda_graph_equals_plain_launches(scheme, group):
 
     layers = [(weight(2048, 2048), weight(2 * 8192, 2048), weight(2048, 8192)) for _ in range(4)]
     norm = (1 + 0.1 * torch.randn(2048, generator=gen)).to(torch.bfloat16).cuda()
-    h0 = torch.randn(2048, generator=gen).to(torch.bfloat16).cuda()
+    h0 = torch.empty(2048, dtype=torch.bfloat16, device="cuda")  # the graph's input, refilled before each replay
 
     def launch(x, p, pdl, **folds):
         quant = 0 if "scales" not in p else (4 if p["zeros"] is not None else 8)
@@ -551,16 +556,23 @@ def test_pdl_chain_in_a_cuda_graph_equals_plain_launches(scheme, group):
             h = launch(launch(h, gate_up, pdl, norm=norm, gated=True), down, pdl, residual=h)
         return h
 
-    want = chain(False)
+    pdl = "code" if edges else True
+    h0.copy_(torch.randn(2048, generator=gen).to(torch.bfloat16))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        chain(True)  # compiles the PDL kernels outside the capture
+        chain(pdl)  # compiles the kernels outside the capture
     torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
     with torch.cuda.graph(graph):
-        got = chain(True)
+        got = chain(pdl)
+    if edges:
+        assert make_programmatic(graph.raw_cuda_graph(), lambda name: name.startswith("_gemv")) == 11
+    assert edge_types(graph.raw_cuda_graph())[PROGRAMMATIC] >= 11  # 12 kernels, each after the one before
+    graph.instantiate()
     for _ in range(3):
+        h0.copy_(torch.randn(2048, generator=gen).to(torch.bfloat16))
+        want = chain(False)
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(got, want)
@@ -574,3 +586,13 @@ def test_a_launch_names_its_pdl_form():
     x, w = torch.zeros(64, dtype=torch.bfloat16), torch.zeros(16, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="'yes'"):
         gemv_launch(x, w, config=_config(64) | {"pdl": "yes"})
+
+
+@interpreter_only
+def test_interp_refuses_a_pdl_launch():
+    """The interpreter has no griddepcontrol: a PDL launch there is refused by name, not run."""
+    from offgraph_export.kernels.triton_gemv import _config, gemv_launch
+
+    x, w = torch.zeros(64, dtype=torch.bfloat16), torch.zeros(16, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="interpreter"):
+        gemv_launch(x, w, config=_config(64) | {"pdl": "code"})

@@ -79,6 +79,8 @@ def pdl_flags(pdl: object) -> dict:
     ``"code"`` (compiled in, launched plainly: what the instructions cost alone) or False."""
     if pdl not in (False, True, "code"):
         raise ValueError(f"a launch's \"pdl\" is True, \"code\" or False, not {pdl!r}")
+    if pdl and INTERPRETED:
+        raise ValueError("a launch's \"pdl\" needs a GPU (sm_90+); the Triton interpreter has no griddepcontrol")
     if pdl and gdc_wait is None:
         raise ValueError(f"a launch's \"pdl\" needs triton >= 3.3 (triton.language.extra.cuda.gdc_wait); this triton has none")
     return {"PDL": bool(pdl), **({"launch_pdl": True} if pdl is True else {})}
