@@ -22,18 +22,24 @@ from offgraph_export.kernels.portable import portable_update_and_attend
 from offgraph_export.kernels.triton_attend import triton_update_and_attend
 
 
-def time_ms(fn, iters: int) -> float:
-    """Median GPU time of ``fn`` replayed as a CUDA graph (so Python launch overhead, which for
-    a few microsecond-scale kernels exceeds their run time, is not measured)."""
+def captured(fn, keep_graph: bool = False):
+    """``fn`` warmed up on a side stream (first launches may compile or allocate), then captured in
+    a CUDA graph: ``(graph, fn's output)``. ``keep_graph``: the graph is kept for editing and
+    instantiated by the caller (``torch.cuda.CUDAGraph(keep_graph=True)``)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(3):
             fn()
     torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
+    graph = torch.cuda.CUDAGraph(keep_graph=keep_graph)
     with torch.cuda.graph(graph):
-        fn()
+        out = fn()
+    return graph, out
+
+
+def replayed_ms(graph, iters: int) -> float:
+    """Median GPU time of a replay of ``graph`` over ``iters`` replays, after 10 unmeasured."""
     for _ in range(10):
         graph.replay()
     times = []
@@ -45,6 +51,12 @@ def time_ms(fn, iters: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def time_ms(fn, iters: int) -> float:
+    """Median GPU time of ``fn`` replayed as a CUDA graph (so Python launch overhead, which for
+    a few microsecond-scale kernels exceeds their run time, is not measured)."""
+    return replayed_ms(captured(fn)[0], iters)
 
 
 def replay_us(fn, calls: int, reps: int = 25) -> float:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from bench_attention import copy_rate  # scripts/, the script's own folder
+from bench_attention import captured, copy_rate, replayed_ms  # scripts/, the script's own folder
 
 from offgraph_export.kernels import triton_gemv as tg
 from offgraph_export.kernels.attend_common import AttendLaunch, attention_output
@@ -62,35 +62,17 @@ def _weights(scheme: str, n: int, k: int, gen: torch.Generator) -> dict:
 
 
 def _graph_ms(fn, iters: int, edges: bool) -> dict:
-    """``fn`` warmed up on a side stream, captured, with ``edges`` the edges into the waiting kernels
-    made programmatic, replayed: median ms, edges changed, programmatic edges in the graph, the
-    kernel names seen, the output after the replays."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph(keep_graph=True)
-    with torch.cuda.graph(graph):
-        out = fn()
+    """``fn`` captured, with ``edges`` the edges into the waiting kernels made programmatic,
+    replayed: median ms, edges changed, programmatic edges in the graph, the kernel names seen, the
+    output after the replays."""
+    graph, out = captured(fn, keep_graph=True)
     raw = graph.raw_cuda_graph()
     names = sorted(set(kernel_names(raw).values()))
     changed = make_programmatic(raw, lambda name: name.startswith(WAITING)) if edges else 0
     programmatic = edge_types(raw)[PROGRAMMATIC]
     graph.instantiate()
-    for _ in range(10):
-        graph.replay()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return {"ms": statistics.median(times), "changed": changed, "programmatic": programmatic, "names": names,
-            "out": out.clone()}
+    ms = replayed_ms(graph, iters)
+    return {"ms": ms, "changed": changed, "programmatic": programmatic, "names": names, "out": out.clone()}
 
 
 def _launch(x, p, mode, norm=None, residual=None, gated=False):

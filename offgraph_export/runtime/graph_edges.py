@@ -21,6 +21,7 @@ API through ctypes (``libcuda.so.1``).
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections import Counter
 from collections.abc import Callable
 
@@ -59,6 +60,11 @@ class _Driver:
         return getattr(self.lib, name)(*args) == 0
 
 
+@functools.cache
+def _driver() -> _Driver:
+    return _Driver()
+
+
 def _name(call: _Driver, node: int) -> str:
     """A kernel node's function name: by its ``CUfunction`` (Triton's and AOTInductor's launches)
     or, where the node holds a ``CUkernel`` instead (runtime launches), by that; "" where neither
@@ -75,7 +81,7 @@ def _name(call: _Driver, node: int) -> str:
 
 def kernel_names(graph: int) -> dict[int, str]:
     """The graph's kernel nodes (handles) and their functions' names."""
-    call = _Driver()
+    call = _driver()
     count = ctypes.c_size_t(0)
     call("cuGraphGetNodes", ctypes.c_void_p(graph), None, ctypes.byref(count))
     nodes = (ctypes.c_void_p * count.value)()
@@ -100,14 +106,14 @@ def _edges(call: _Driver, graph: int):
 
 def edge_types(graph: int) -> Counter:
     """How many of the graph's edges have each dependency type (0 full, :data:`PROGRAMMATIC`)."""
-    return Counter(data.type for _, _, data in _edges(_Driver(), graph))
+    return Counter(data.type for _, _, data in _edges(_driver(), graph))
 
 
 def make_programmatic(graph: int, waits: Callable[[str], bool]) -> int:
     """Turn every full edge from a kernel node into a kernel node whose function ``waits`` (by
     name; see the module docstring) into a programmatic edge; returns how many changed. Call
     before ``instantiate``. An edge whose new form the driver refuses is put back as it was."""
-    call = _Driver()
+    call = _driver()
     kernels = kernel_names(graph)
     changed = 0
     for a, b, old in _edges(call, graph):
