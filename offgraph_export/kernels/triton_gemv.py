@@ -176,17 +176,6 @@ def _rstd(x_ptr, K, eps, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _row_block(x_ptr, N, K, eps, NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Program p's ``BLOCK_N`` output rows, which of them exist, and (NORM) the RMSNorm's rstd over
-    ``x`` (else 0): the prologue of the rows and mma kernels."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rstd = 0.0
-    if NORM:
-        rstd = _rstd(x_ptr, K, eps, BLOCK_K)
-    return rows, rows < N, rstd
-
-
-@triton.jit
 def _x_at(x_ptr, norm_ptr, cols, K, rstd, dt: tl.constexpr, NORM: tl.constexpr):
     """``x`` at ``cols`` (0 past ``K``), RMS-normalized when NORM, as fp32."""
     ok = cols < K
@@ -442,8 +431,13 @@ def _gemv_kernel(
     dtype here. BIAS: the linear's bias joins the fp32 sum before its rounding, as a GEMM's bias
     epilogue adds it. PDL (all three kernels): :func:`~offgraph_export.kernels.triton_base.wait_for_inputs` first."""
     wait_for_inputs(PDL)
+    pid = tl.program_id(0)
     dt = out_ptr.dtype.element_ty
-    rows, row_ok, rstd = _row_block(x_ptr, N, K, eps, NORM, BLOCK_N, BLOCK_K)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    rstd = 0.0
+    if NORM:
+        rstd = _rstd(x_ptr, K, eps, BLOCK_K)
     acc = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
     if GATED:
         acc_up = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
@@ -627,8 +621,13 @@ def _gemv_mma_kernel(
     ``BLOCK_K`` columns (whole groups) a step, one dot a group (``triton_skinny_gemm._int4_dot_group``).
     The epilogue and BIAS as the other kernels'."""
     wait_for_inputs(PDL)
+    pid = tl.program_id(0)
     dt = out_ptr.dtype.element_ty
-    rows, row_ok, rstd = _row_block(x_ptr, N, K, eps, NORM, BLOCK_N, BLOCK_K)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    rstd = 0.0
+    if NORM:
+        rstd = _rstd(x_ptr, K, eps, BLOCK_K)
     first = tl.arange(0, 16) == 0
     gate_rows = (rows + gate_offset).to(tl.int64)
     up_rows = (rows + up_offset).to(tl.int64)
