@@ -13,12 +13,15 @@ The chain: 16 layers, each its own weights and K/V storage, of this project's de
 1B shapes with their folds and default launches: q|k|v + RMSNorm, the one-token attention pair
 (``kernels/attend_decode.py``: attend with the row write, combine; 32/8 heads of 64 over
 ``--history`` stored positions, no rotary rows), o + residual, gate|up + RMSNorm + SiLU*mul, down +
-residual; six kernels a layer. bf16, int8 and int4 (group 128) weights. Per scheme four builds, timed in interleaved rounds: ``off`` (today's kernels),
+residual; six kernels a layer. bf16, int8 and int4 (group 128) weights. Per scheme six builds, timed in interleaved rounds: ``off`` (today's kernels),
 ``pdl_code`` (the wait compiled in, launched without PDL: what the instructions cost alone),
 ``pdl`` (launched with PDL, the graph capturing programmatic edges) and ``edges`` (launched as
 ``pdl_code``, the edges into the waiting kernels made programmatic after the capture by
 ``runtime/graph_edges.make_programmatic``: what a runtime could do to an AOTInductor package's
-step, whose launcher sets no attributes). Every mode is timed as its captured graph replays; the
+step, whose launcher sets no attributes); those two again as ``pdl_exit`` and ``edges_exit``, the
+dependents let in as each program exits instead of at the kernel's entry (the first H100 run had
+``pdl`` 8-30% slower than ``off``: programs of the next kernel scheduled at once and waiting hold
+SM slots that the running kernel's later programs need). Every mode is timed as its captured graph replays; the
 graph's last output must be bit-equal to the plain eager chain's, and the record counts each
 graph's programmatic edges (a "pdl" capture that kept none would time "pdl_code" again).
 
@@ -47,7 +50,11 @@ LAYERS = 16
 HIDDEN, QKV, INTER = 2048, 3072, 8192
 HQ, HKV, HEAD = 32, 8, 64
 DT = torch.bfloat16
-MODES = ("off", "pdl_code", "pdl", "edges")
+#: each mode's launch options: the wait compiled in ("pdl": "code") or also launched as PDL (True),
+#: the dependents let in at the kernel's entry or as its programs exit ("pdl_trigger")
+MODE_OPTIONS = {"off": {}, "pdl_code": {"pdl": "code"}, "pdl": {"pdl": True}, "edges": {"pdl": "code"},
+                "pdl_exit": {"pdl": True, "pdl_trigger": "exit"}, "edges_exit": {"pdl": "code", "pdl_trigger": "exit"}}
+MODES = tuple(MODE_OPTIONS)
 #: the kernels that wait on entry when compiled with PDL (the edges mode makes edges into them programmatic)
 WAITING = ("_gemv_kernel", "_gemv_tiles_kernel", "_gemv_mma_kernel", "_decode_attend_kernel", "_decode_combine_kernel")
 
@@ -78,9 +85,7 @@ def _graph_ms(fn, iters: int, edges: bool) -> dict:
 def _launch(x, p, mode, norm=None, residual=None, gated=False):
     quant = 0 if "scales" not in p else (4 if p["zeros"] is not None else 8)
     n, k = int(p["w"].shape[0]), int(x.shape[-1])
-    config = dict(tg._config(k, gated, quant, n, False))
-    if mode != "off":
-        config["pdl"] = True if mode == "pdl" else "code"  # edges: compiled in, launched plainly
+    config = dict(tg._config(k, gated, quant, n, False)) | MODE_OPTIONS[mode]  # edges: compiled in, launched plainly
     extra = {"scales": p.get("scales"), "zeros": p.get("zeros"), "group_size": p.get("group_size", 0)}
     return tg.gemv_launch(x, p["w"], norm, 1e-5, residual, gated, True, config, **extra)
 
@@ -91,7 +96,7 @@ def _attend(qkv, layer, pos, mode):
     v = qkv[HIDDEN + HKV * HEAD:].view(1, HKV, 1, HEAD)
     launch = AttendLaunch.for_step(q, k, v, layer["k_store"], layer["v_store"], None, HEAD ** -0.5)
     out = attention_output(1, HQ, 1, HEAD, DT, qkv.device)
-    overrides = {} if mode == "off" else {"pdl": True if mode == "pdl" else "code"}
+    overrides = MODE_OPTIONS[mode]
     decode_step(q, k, v, pos, layer["k_store"], layer["v_store"], out, launch, overrides=overrides)
     return out.reshape(HIDDEN)
 
@@ -135,7 +140,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for mode in MODES:
                 try:
-                    got = _graph_ms(lambda m=mode: _chain(layers, h0, m, pos), args.reps, edges=mode == "edges")
+                    got = _graph_ms(lambda m=mode: _chain(layers, h0, m, pos), args.reps, edges=mode.startswith("edges"))
                 except Exception as exc:  # noqa: BLE001 - a benchmark records what failed (a driver without the edge API, an old card)
                     errors[mode] = f"{type(exc).__name__}: {exc}"
                     rounds[mode].append(float("nan"))

@@ -58,18 +58,24 @@ def test_interp_quantized_gemv_matches_the_float_folds_over_w_prime(n, k, norm, 
 @pytest.mark.parametrize("norm, gated, gate_first, residual", FOLDS[:3])
 def test_interp_wide_projection_configuration_matches_the_float_folds(norm, gated, gate_first, residual, scheme, group):
     """The launch configuration the default gives wide quantized projections on a small weight,
-    against ``W'``: rows up to 2048 columns take the persistent kernel in the "bits" form, an
-    lm_head (not gated) 4 rows a tile, gate|up 8 (int4) or 2 (int8) rows a tile; longer rows (the
-    8B shapes, not measured) the rows kernel, 8 rows x 512 columns a program, per row or group."""
+    against ``W'``: an lm_head (not gated) with rows up to 2048 columns takes the persistent kernel
+    in the "bits" form, 4 rows a tile, so does int8's gate|up, 2 rows a tile; int4's gate|up and
+    longer rows (the 8B shapes, not measured) take the rows kernel: int4 16 rows x 512 columns a
+    program, "bits" with x split; int8 8 x 512, per row."""
     from offgraph_export.kernels.triton_gemv import _QUANT_WIDE_ROWS, _config, gemv_launch
 
     n, k = 48, 1152
     bits = 4 if group else 8
     config = _config(k, gated, quantized=bits, n=_QUANT_WIDE_ROWS)
-    tile_rows = (8 if bits == 4 else 2) if gated else 4
-    assert (config["kernel"], config["BLOCK_N"], config["dequant"]) == ("tiles", tile_rows, "bits")
+    split = "split" if bits == 4 else None
+    if bits == 4 and gated:
+        assert (config["kernel"], config["BLOCK_N"], config["BLOCK_K"], config["dequant"], config["x"]) == ("rows", 16, 512, "bits", "split")
+    else:
+        tile_rows = 2 if gated else 4
+        assert (config["kernel"], config["BLOCK_N"], config["dequant"], config.get("x")) == ("tiles", tile_rows, "bits", split)
     longer = _config(4096, gated, quantized=bits, n=_QUANT_WIDE_ROWS)
-    assert (longer["kernel"], longer["BLOCK_N"], longer["BLOCK_K"], longer["dequant"]) == ("rows", 8, 512, "group")
+    want_longer = ("rows", 16, 512, "bits", "split") if bits == 4 else ("rows", 8, 512, "group", None)
+    assert (longer["kernel"], longer["BLOCK_N"], longer["BLOCK_K"], longer["dequant"], longer.get("x")) == want_longer
     x, w, nw, res = _fold_inputs(n, k, torch.float32, norm, gated, residual)
     stored, w_prime = _quantized(w, scheme, group)
     got = gemv_launch(x, stored.qweight, nw, 1e-5, res, gated, gate_first, config, scales=stored.scales,
@@ -420,24 +426,26 @@ def test_quantized_tiles_kernel_bits_form_matches_on_cuda(n, k, norm, gated, gat
 
 @needs_triton
 def test_quantized_defaults_take_the_bits_form_where_the_sweep_found_it_faster():
-    """The 1B shapes' default launches (H100 sweep, triton_gemv's comment on ``_config``): int8
-    reads words ("bits") on every projection; int4 on the tiles kernel (lm_head, gate|up) only, its
-    rows kernel keeping the per-group form; rows longer than 2048 columns keep the rows kernel."""
+    """The 1B shapes' default launches (H100 sweeps, triton_gemv's comment on ``_config``): int8
+    reads words ("bits") on every projection, the tiles kernel for lm_head and gate|up; int4 reads
+    words with x split in registers everywhere, the tiles kernel for the lm_head only; rows longer
+    than 2048 columns keep the rows kernel."""
     from offgraph_export.kernels.triton_gemv import _config
 
     shapes = {"qkv": (3072, 2048, False), "o": (2048, 2048, False), "gate|up": (16384, 2048, True),
               "down": (2048, 8192, False), "lm_head": (128256, 2048, False)}
-    forms = {(name, bits): (_config(k, gated, bits, n)["kernel"], _config(k, gated, bits, n)["dequant"])
+    forms = {(name, bits): tuple(_config(k, gated, bits, n).get(key) for key in ("kernel", "dequant", "x"))
              for name, (n, k, gated) in shapes.items() for bits in (8, 4)}
     assert forms == {
-        ("qkv", 8): ("rows", "bits"), ("qkv", 4): ("rows", "group"),
-        ("o", 8): ("rows", "bits"), ("o", 4): ("rows", "group"),
-        ("gate|up", 8): ("tiles", "bits"), ("gate|up", 4): ("tiles", "bits"),
-        ("down", 8): ("rows", "bits"), ("down", 4): ("rows", "group"),
-        ("lm_head", 8): ("tiles", "bits"), ("lm_head", 4): ("tiles", "bits"),
+        ("qkv", 8): ("rows", "bits", None), ("qkv", 4): ("rows", "bits", "split"),
+        ("o", 8): ("rows", "bits", None), ("o", 4): ("rows", "bits", "split"),
+        ("gate|up", 8): ("tiles", "bits", None), ("gate|up", 4): ("rows", "bits", "split"),
+        ("down", 8): ("rows", "bits", None), ("down", 4): ("rows", "bits", "split"),
+        ("lm_head", 8): ("tiles", "bits", None), ("lm_head", 4): ("tiles", "bits", "split"),
     }
     # the 8B shapes (K = 4096, not measured) keep the rows kernel for the gated and lm_head projections
     assert _config(4096, True, 4, 28672)["kernel"] == _config(4096, False, 4, 128256)["kernel"] == "rows"
+    assert _config(4096, True, 8, 28672)["kernel"] == _config(4096, False, 8, 128256)["kernel"] == "rows"
     assert "dequant" not in _config(2048, True, 0, 16384)  # float weights: unchanged
 
 
@@ -513,9 +521,10 @@ def test_gemv_at_the_7b_8b_shapes_on_cuda(n, k, gated):
 
 @pytest.mark.cuda
 @needs_cuda
+@pytest.mark.parametrize("trigger", ["entry", "exit"])
 @pytest.mark.parametrize("edges", [False, True], ids=["pdl_launches", "edges_after_capture"])
 @pytest.mark.parametrize("scheme,group", [("bf16", None), *SCHEMES])
-def test_pdl_chain_in_a_cuda_graph_equals_plain_launches(scheme, group, edges):
+def test_pdl_chain_in_a_cuda_graph_equals_plain_launches(scheme, group, edges, trigger):
     """A chain whose every GEMV reads the one before's output (o + residual, gate|up + norm +
     SiLU*mul, down + residual, four layers), its kernels compiled to wait on entry
     (``kernels/triton_base.wait_for_inputs``) and captured in a CUDA graph whose edges between them
@@ -523,7 +532,8 @@ def test_pdl_chain_in_a_cuda_graph_equals_plain_launches(scheme, group, edges):
     plainly (``"code"``) and the edges made programmatic after the capture
     (``runtime/graph_edges.make_programmatic``). The graph holds the programmatic edges, and each
     replay on a fresh input is bit-equal to the chain launched plainly on that input: a kernel that
-    started before its input was written would read the last replay's values."""
+    started before its input was written would read the last replay's values. Both triggers: the
+    dependents let in at a kernel's entry or as its programs exit."""
     from offgraph_export.kernels.triton_gemv import _config, gemv_launch
     from offgraph_export.runtime.graph_edges import PROGRAMMATIC, edge_types, make_programmatic
 
@@ -545,7 +555,7 @@ def test_pdl_chain_in_a_cuda_graph_equals_plain_launches(scheme, group, edges):
 
     def launch(x, p, pdl, **folds):
         quant = 0 if "scales" not in p else (4 if p["zeros"] is not None else 8)
-        config = _config(x.shape[-1], folds.get("gated", False), quant, int(p["w"].shape[0]), False) | {"pdl": pdl}
+        config = _config(x.shape[-1], folds.get("gated", False), quant, int(p["w"].shape[0]), False) | {"pdl": pdl, "pdl_trigger": trigger}
         return gemv_launch(x, p["w"], folds.get("norm"), 1e-5, folds.get("residual"), folds.get("gated", False), True,
                            config, scales=p.get("scales"), zeros=p.get("zeros"), group_size=p.get("group_size", 0))
 
@@ -579,13 +589,15 @@ def test_pdl_chain_in_a_cuda_graph_equals_plain_launches(scheme, group, edges):
 
 
 def test_a_launch_names_its_pdl_form():
-    """A launch's ``"pdl"`` is True, ``"code"`` or False: another value is refused by name before
-    anything runs."""
+    """A launch's ``"pdl"`` is True, ``"code"`` or False and its ``"pdl_trigger"`` "entry" or
+    "exit": another value is refused by name before anything runs."""
     from offgraph_export.kernels.triton_gemv import _config, gemv_launch
 
     x, w = torch.zeros(64, dtype=torch.bfloat16), torch.zeros(16, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="'yes'"):
         gemv_launch(x, w, config=_config(64) | {"pdl": "yes"})
+    with pytest.raises(ValueError, match="'late'"):
+        gemv_launch(x, w, config=_config(64) | {"pdl": False, "pdl_trigger": "late"})
 
 
 @interpreter_only

@@ -239,7 +239,7 @@ def decode_step(
     returned. ``rope``: ``(cos, sin)`` rows of the head dim to rotate the query and new key with,
     in the kernel. ``overrides`` replaces launch parameters (``splits``, ``min_split_keys``,
     ``BLOCK_N``, ``num_warps``, ``num_stages``) for ``scripts/sweep_decode_kernels.py``, which
-    calls this eagerly, and ``pdl`` (:func:`~offgraph_export.kernels.triton_base.pdl_flags`;
+    calls this eagerly, and ``pdl``, ``pdl_trigger`` (:func:`~offgraph_export.kernels.triton_base.pdl_flags`;
     ``scripts/bench_pdl.py``). ``sinks``: the ``[Hq]`` sink logits where ``launch.has_sinks``."""
     overrides = overrides or {}
     b = q.shape[0]
@@ -250,7 +250,7 @@ def decode_step(
     min_split_keys = overrides.get("min_split_keys", _DECODE_MIN_SPLIT_KEYS)
     launch = replace(launch, block_n=overrides.get("BLOCK_N", launch.block_n))
     tuning = {key: overrides[key] for key in ("num_warps", "num_stages") if key in overrides}
-    pdl = pdl_flags(overrides.get("pdl", False))
+    pdl = pdl_flags(overrides.get("pdl", False), overrides.get("pdl_trigger", "entry"))
     rows = k_store.shape[2]
     part_acc, part_m, part_l = partial_buffers(b * hkv, splits, block_m, launch.block_dv, q.device)
     wrap_triton = torch.library.wrap_triton

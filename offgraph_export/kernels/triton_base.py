@@ -19,6 +19,7 @@ __all__ = [
     "sm_count",
     "wait_for_inputs",
     "pdl_flags",
+    "PDL_TRIGGERS",
 ]
 
 
@@ -64,26 +65,37 @@ except ImportError:  # pragma: no cover - an older or missing triton: PDL launch
 @triton.jit
 def wait_for_inputs(PDL: tl.constexpr):
     """A kernel's first act under programmatic dependent launch (PDL: sm_90+, the launch's
-    ``launch_pdl``): let the next kernel's programs be scheduled now (they wait in turn), then wait
-    until the kernel before has finished and its writes are visible, before any input is read or
-    any output written. Without PDL, or launched without it, nothing (both are no-ops then)."""
-    if PDL:
+    ``launch_pdl``): with ``PDL == 1`` let the next kernel's programs be scheduled now (they wait in
+    turn; with ``PDL == 2`` they are let in only as this kernel's programs exit, the implicit
+    trigger), then wait until the kernel before has finished and its writes are visible, before any
+    input is read or any output written. ``PDL == 0``, or launched without PDL: nothing (both
+    instructions are no-ops then)."""
+    if PDL == 1:
         gdc_launch_dependents()
+    if PDL != 0:
         gdc_wait()
 
 
-def pdl_flags(pdl: object) -> dict:
+#: Where a PDL kernel lets its dependents be scheduled (:func:`wait_for_inputs`' ``PDL``): at its
+#: entry, or as its programs exit.
+PDL_TRIGGERS = {"entry": 1, "exit": 2}
+
+
+def pdl_flags(pdl: object, trigger: object = "entry") -> dict:
     """The launch keywords of a kernel taking :func:`wait_for_inputs`'s ``PDL`` for a launch's
     ``"pdl"`` option: True (compiled in and launched as a programmatic dependent launch, eager
     launches and their CUDA graphs only: AOTInductor's launcher sets no launch attributes),
-    ``"code"`` (compiled in, launched plainly: what the instructions cost alone) or False."""
+    ``"code"`` (compiled in, launched plainly: what the instructions cost alone) or False; and its
+    ``"pdl_trigger"``, ``"entry"`` or ``"exit"`` (:data:`PDL_TRIGGERS`)."""
     if pdl not in (False, True, "code"):
         raise ValueError(f"a launch's \"pdl\" is True, \"code\" or False, not {pdl!r}")
+    if trigger not in PDL_TRIGGERS:
+        raise ValueError(f"a launch's \"pdl_trigger\" is \"entry\" or \"exit\", not {trigger!r}")
     if pdl and INTERPRETED:
         raise ValueError("a launch's \"pdl\" needs a GPU (sm_90+); the Triton interpreter has no griddepcontrol")
     if pdl and gdc_wait is None:
         raise ValueError(f"a launch's \"pdl\" needs triton >= 3.3 (triton.language.extra.cuda.gdc_wait); this triton has none")
-    return {"PDL": bool(pdl), **({"launch_pdl": True} if pdl is True else {})}
+    return {"PDL": PDL_TRIGGERS[trigger] if pdl else 0, **({"launch_pdl": True} if pdl is True else {})}
 
 
 #: True when TRITON_INTERPRET=1 made ``triton.jit`` build interpreted kernels (the CPU tests). The

@@ -118,6 +118,15 @@ _QUANT_TILE_MAX_K = 2048
 # warps 10.2 -> 9.0). The int4 rows kernel keeps the per-group form: "bits" there was slower
 # (q|k|v 7.8 -> 8.4, down 14.2 -> 14.7: it reads x once a field position a chunk). Not measured on
 # an H200 nor at the 8B shapes (K = 4096: the gated and lm_head projections keep the rows kernel).
+# int4 then moved to the "bits" form with ``"x": "split"`` (a chunk's x read once and split into the
+# words' field positions in registers) everywhere, from the next H100 sweep
+# (``benchmarks/h100-2026-12-07-int4-split``, torch 2.11, the same shapes and folds, us, the
+# default before -> after): q|k|v rows 4 x 1024 7.98 -> 5.59, output 5.41 -> 4.41, gate|up on the
+# rows kernel, 16 rows x 512 columns 17.18 -> 14.26 (the split tiles launch 15.65), down rows 4 x
+# 2048 with 8 warps 14.21 -> 9.75 (tinygemm 8.58), the lm_head's tiles launch 80.1 -> 75.9
+# (tinygemm 75.9): the step's projections 796 -> ~620 us (tinygemm 617). int8 keeps its launches
+# (its split forms were within 3% either way). Not measured on an H200, at the 8B shapes (K = 4096:
+# the int4 gate|up and lm_head there take the 16 x 512 rows launch), nor with a bias.
 def _config(k: int, gated: bool = False, quantized: int = 0, n: int = 0, bias: bool = False) -> dict:
     """The kernel and its launch parameters for ``n`` weight rows of ``k`` columns: ``kernel``
     "rows" (:func:`_gemv_kernel`: ``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``dequant``) or "tiles"
@@ -126,22 +135,22 @@ def _config(k: int, gated: bool = False, quantized: int = 0, n: int = 0, bias: b
     and dequantization forms the sweep in the comment above chose; ``bias``: the linear adds one
     (the rows kernel: the tiles kernel takes one, but its launch was swept without)."""
     if quantized:
-        bits = {"dequant": "bits"}
+        bits = {"dequant": "bits"} if quantized == 8 else {"dequant": "bits", "x": "split"}
         if n >= _QUANT_WIDE_ROWS and k <= _QUANT_TILE_MAX_K and not gated:  # the lm_head
             return {"kernel": "tiles", "BLOCK_N": 4, "per_sm": 4, "num_warps": 4, "num_stages": 3, **bits}
-        if n >= _QUANT_WIDE_ROWS and k <= _QUANT_TILE_MAX_K and not bias:  # gate|up
-            if quantized == 4:
-                return {"kernel": "tiles", "BLOCK_N": 8, "per_sm": 2, "num_warps": 8, "num_stages": 2, **bits}
-            return {"kernel": "tiles", "BLOCK_N": 2, "per_sm": 4, "num_warps": 4, "num_stages": 3, **bits}
-        if n >= _QUANT_WIDE_ROWS:
-            return {"kernel": "rows", "BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "dequant": "group"}
-        if quantized == 8:
+        if quantized == 4:  # the rows kernel, x read once a chunk and split (the int4 sweep below)
+            if n >= _QUANT_WIDE_ROWS:
+                return {"kernel": "rows", "BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4, **bits}
             if k >= _LONG_ROWS:
                 return {"kernel": "rows", "BLOCK_N": 4, "BLOCK_K": 2048, "num_warps": 8, **bits}
             return {"kernel": "rows", "BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, **bits}
+        if n >= _QUANT_WIDE_ROWS and k <= _QUANT_TILE_MAX_K and not bias:  # gate|up
+            return {"kernel": "tiles", "BLOCK_N": 2, "per_sm": 4, "num_warps": 4, "num_stages": 3, **bits}
+        if n >= _QUANT_WIDE_ROWS:
+            return {"kernel": "rows", "BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "dequant": "group"}
         if k >= _LONG_ROWS:
-            return {"kernel": "rows", "BLOCK_N": 4, "BLOCK_K": 2048, "num_warps": 4, "dequant": "group"}
-        return {"kernel": "rows", "BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, "dequant": "group"}
+            return {"kernel": "rows", "BLOCK_N": 4, "BLOCK_K": 2048, "num_warps": 8, **bits}
+        return {"kernel": "rows", "BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, **bits}
     if gated and k <= _TILE_MAX_K and not bias:
         return {"kernel": "tiles", "BLOCK_N": 1, "per_sm": 4, "num_warps": 4, "num_stages": 3}
     return _rows_config(k)
@@ -728,8 +737,8 @@ def gemv_launch(x, w, norm_weight=None, eps=0.0, residual=None, gated=False, gat
     reads a chunk's ``x`` once and splits it into the words' field positions in registers
     (:func:`_x_split`) instead of reading it again at each (the same sums); so too the rows
     kernel's int4 per-group and per-value forms, into the even and odd columns. ``"pdl"``: a
-    programmatic dependent launch (:func:`~offgraph_export.kernels.triton_base.pdl_flags`;
-    ``scripts/bench_pdl.py``). With ``scales`` the weight
+    programmatic dependent launch (:func:`~offgraph_export.kernels.triton_base.pdl_flags`, with
+    ``"pdl_trigger"``; ``scripts/bench_pdl.py``). With ``scales`` the weight
     is quantized (design section 11): int8 ``[N, K]`` and scales ``[N]``, or with ``zeros`` and
     ``group_size`` int4 ``[N, K / 2]`` and scales and zeros ``[N, K / group_size]``. ``bias``:
     ``[N]``, the linear's (Qwen-style q/k/v projections)."""
@@ -770,7 +779,7 @@ def gemv_launch(x, w, norm_weight=None, eps=0.0, residual=None, gated=False, gat
     if config.get("x", "fields") not in ("fields", "split"):
         raise ValueError(f"a launch's \"x\" is \"fields\" or \"split\", not {config['x']!r}")
     flags = dict(NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None,
-                 BLOCK_N=config["BLOCK_N"], num_warps=config["num_warps"], **pdl_flags(config.get("pdl", False)))
+                 BLOCK_N=config["BLOCK_N"], num_warps=config["num_warps"], **pdl_flags(config.get("pdl", False), config.get("pdl_trigger", "entry")))
     tiles = triton.cdiv(n_out, config["BLOCK_N"])
     s_arg = scales if quant else flat
     z_arg = zeros if quant else flat
