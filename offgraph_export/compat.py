@@ -130,6 +130,19 @@ def decompose(ep: ExportedProgram, table: "dict | None" = None) -> ExportedProgr
 
 
 
+def program_copy(ep: ExportedProgram) -> ExportedProgram:
+    """A new program over a copy of ``ep``'s graph (node names kept, so the copied signature still
+    names them) that shares its weights and constants: a pass may then edit the graph in place
+    without touching ``ep`` (an earlier pass's result, which later passes read again).
+    ``ExportedProgram._update`` (torch 2.3 to 2.13) builds it the way export's own passes do."""
+    import copy
+
+    graph = copy.deepcopy(ep.graph)
+    module = torch.fx.GraphModule(ep.graph_module, graph)
+    assert [n.name for n in graph.nodes] == [n.name for n in ep.graph.nodes]
+    return ep._update(module, copy.deepcopy(ep.graph_signature))
+
+
 def aoti_shim_lacks(device: str, op_names: "list[str]") -> list[str]:
     """Which of the aten ops ``op_names`` (``_grouped_mm``) AOTInductor's C shim for ``device``
     does not declare, so that a package calling them fails to compile (torch 2.11's CUDA shim

@@ -70,3 +70,37 @@ def test_a_quantized_program_is_still_decomposed_before_aotinductor():
     assert not any(n.target in DECOMPOSITIONS for n in program.stripped.graph.nodes)
     # and without lowering_traces the same
     assert not calls_decomposed_ops(functionalize(before).program)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_quantized_program_before_aotinductor_is_spliced_not_retraced(scheme):
+    """Before AOTInductor the dequantized weights' calls are replaced in place by their aten nodes
+    (``graph_utils.inline_calls``) instead of re-tracing the program: the strip pass's program
+    stays as it was (the decode method is traced again from it), its in-place storage writes stay
+    (as a float program's do), the signature is the same, and the program computes, bit for bit,
+    what the re-traced functional one does."""
+    model = tm.Stack(2, hq=8, hkv=2, d=16, dv=8).eval()
+    inputs = (torch.randn(1, 5, 32), torch.arange(5))
+    ep = tm.export(model, inputs, (1, 0), CONFIG.max_write)
+    kwargs = {"quantize": scheme, "group_size": 32 if scheme == "int4" else None}
+    spliced = run_passes(ep, inputs, CONFIG, lowering_traces=True, **kwargs)
+    functional = run_passes(ep, inputs, CONFIG, **kwargs)
+    before = spliced.pass_results["strip_kv_cache"].program
+    assert calls_decomposed_ops(before), "the strip pass's own program must keep its calls"
+    assert spliced.stripped is not before and not calls_decomposed_ops(spliced.stripped)
+    assert [str(n.target) for n in spliced.stripped.graph.nodes if str(n.target).endswith("_.default")]
+    assert spliced.stripped.graph_signature.user_inputs == functional.stripped.graph_signature.user_inputs
+    assert spliced.stripped.graph_signature.buffers_to_mutate == before.graph_signature.buffers_to_mutate
+    m = functional.manifest
+    stores = {name: SessionStorage(m, "cpu", poison=True) for name in ("functional", "spliced")}
+    modules = {"functional": functional.stripped.module(), "spliced": spliced.stripped.module()}
+    torch.manual_seed(6)
+    xs = torch.randn(1, 20, 32)
+    used = 0
+    for width in [5, 1, 9]:
+        outs = {}
+        for name, module in modules.items():
+            stores[name].ensure(used + width, used)
+            outs[name] = module(xs[:, used:used + width], torch.arange(used, used + width), *stores[name].bound())
+        torch.testing.assert_close(outs["spliced"], outs["functional"], atol=0, rtol=0)
+        used += width
