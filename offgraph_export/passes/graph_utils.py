@@ -392,7 +392,7 @@ def inline_calls(ep: ExportedProgram, forms: Mapping[Any, Callable[..., torch.Te
     replaced = 0
     for node in [n for n in graph.nodes if n.op == "call_function" and n.target in forms]:
         key = (node.target, *(
-            (tuple(a.meta["val"].shape), a.meta["val"].dtype) if isinstance(a, torch.fx.Node) and tensor_value(a) is not None
+            (str(tuple(a.meta["val"].shape)), a.meta["val"].dtype) if isinstance(a, torch.fx.Node) and tensor_value(a) is not None
             else ("node", a.name) if isinstance(a, torch.fx.Node) else ("const", repr(a))
             for a in node.args))
         if key not in traces:
