@@ -97,3 +97,33 @@ def test_a_bf16_int8_cpu_package_calls_the_kernel_and_checks(tmp_path):
     assert wrappers and any("aoti_torch_cpu__weight_int8pack_mm" in w for w in wrappers)
     checked = cli("check", str(out), "--model", EXAMPLE)  # the specs' bfloat16 model dtype, as a user runs it
     assert "PASSED" in checked.stdout + checked.stderr
+
+
+def test_a_biased_linear_over_a_symbolic_width_keeps_its_bias():
+    """``linear(x, W', b)`` with ``x`` ``[1, T, K]``, T symbolic: the kernel, a view back to
+    ``[1, T, N]`` and the bias added; the same values as the linear over ``W'`` up to bf16 rounding."""
+    from offgraph_export.ops.quantized import dequantize_weight
+    from offgraph_export.reference.weight_quant import quantize
+
+    stored = quantize(torch.randn(24, 32) * 0.1, "int8")
+
+    class Biased(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("q", stored.qweight)
+            self.register_buffer("s", stored.scales.to(torch.bfloat16))
+            self.b = torch.nn.Parameter(torch.randn(24, dtype=torch.bfloat16))
+
+        def forward(self, x):
+            w = dequantize_weight(self.q, self.s, None, 0, torch.bfloat16)
+            return torch.nn.functional.linear(x, w, self.b)
+
+    x = torch.randn(1, 6, 32, dtype=torch.bfloat16)
+    ep = torch.export.export(Biased(), (x,), dynamic_shapes=({1: torch.export.Dim("t", min=1, max=64)},))
+    result = cpu_int8_linear(ep)
+    assert result.produced == 1 and _kernels(result.program) == 1 and _kernels(ep) == 0
+    for width in (1, 6, 17):
+        xs = torch.randn(1, width, 32, dtype=torch.bfloat16)
+        got, want = result.program.module()(xs), ep.module()(xs)
+        assert got.shape == want.shape == (1, width, 24)
+        assert (got.float() - want.float()).abs().max() <= 2 ** -6 * max(want.float().abs().max().item(), 1.0)

@@ -98,11 +98,13 @@ def cpu_int8_linear(ep: ExportedProgram) -> PassResult[int]:
             mm.meta["val"] = aten._weight_int8pack_mm.default(rows.meta["val"], tensor_value(qweight), tensor_value(scales))
             result = graph.call_function(aten.view.default, (mm, [*lead, int(n)]))
             result.meta["val"] = mm.meta["val"].view(*lead, int(n))
+            created = [rows, mm, result]
             if bias is not None:
                 result = graph.call_function(aten.add.Tensor, (result, bias))
                 result.meta["val"] = out
-        for created in (rows, mm, result):
-            created.meta.update({key: node.meta[key] for key in ("stack_trace", "nn_module_stack") if key in node.meta})
+                created.append(result)
+        for created_node in created:
+            created_node.meta.update({key: node.meta[key] for key in ("stack_trace", "nn_module_stack") if key in node.meta})
         replace_node(ep, node, result)
         graph.erase_node(node)
         rewritten += 1
