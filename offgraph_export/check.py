@@ -27,7 +27,7 @@ from pydantic import BaseModel, Field
 from offgraph_export.errors import CheckFailed, OffgraphError, first_line
 from offgraph_export.frontends import load_bundle
 from offgraph_export.frontends.torchao_weights import oracle_split
-from offgraph_export.models import ModelBundle
+from offgraph_export.models import ModelBundle, cast_bundle
 from offgraph_export.reference.oracle import HeldRows, Oracle
 from offgraph_export.reference.upcast import HALF_DTYPES, REFERENCE_MULTIPLIER, Float32Twin, reference_errors
 from offgraph_export.reference.weight_quant import dequantized_weights
@@ -571,12 +571,14 @@ def check_artifact(
     """Replay a session through ``artifact`` and the eager ``bundle``; never raises for a
     mismatch (see the report), only for unusable inputs. The session is closed on every path.
     ``float32_reference`` (None: on for a bfloat16/float16 model): a comparison over the fixed
-    tolerance gets a second chance against a float32 run of the same weights (design section 6)."""
+    tolerance gets a second chance against a float32 run of the same weights (design section 6).
+    A ``bundle`` named by reference is cast to the dtype the artifact's specs record for the model
+    (``--dtype`` at export), as ``offgraph-export check`` does."""
     model_name = bundle if isinstance(bundle, str) else ""
-    if isinstance(bundle, str):
-        bundle = load_bundle(bundle)
     if isinstance(artifact, (str, Path)):
         artifact = load_artifact(artifact, single_threaded=cuda_graphs)
+    if isinstance(bundle, str):
+        bundle = cast_bundle(load_bundle(bundle), artifact.specs.model_dtype)
     manifest = artifact.specs.manifest
     for name, value in (("decode_steps", decode_steps), ("prefill_chunks", prefill_chunks)):
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CHECK_STEPS:

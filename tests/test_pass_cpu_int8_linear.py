@@ -95,8 +95,13 @@ def test_a_bf16_int8_cpu_package_calls_the_kernel_and_checks(tmp_path):
     with zipfile.ZipFile(out) as z:
         wrappers = [z.read(n).decode() for n in z.namelist() if n.endswith(".wrapper.cpp")]
     assert wrappers and any("aoti_torch_cpu__weight_int8pack_mm" in w for w in wrappers)
-    checked = cli("check", str(out), "--model", EXAMPLE)  # the specs' bfloat16 model dtype, as a user runs it
+    checked = cli("check", str(out), "--model", EXAMPLE)
     assert "PASSED" in checked.stdout + checked.stderr
+    # and from Python, the model named by reference: cast to the specs' bfloat16 as the CLI does
+    from offgraph_export.check import check_artifact
+
+    report = check_artifact(str(out), EXAMPLE)
+    assert report.passed, report.render()
 
 
 def test_a_biased_linear_over_a_symbolic_width_keeps_its_bias():
