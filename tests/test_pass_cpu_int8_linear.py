@@ -11,7 +11,6 @@ import torch
 
 from offgraph_export.passes.cpu_int8_linear import cpu_int8_linear
 from offgraph_export.pipeline import run_passes, takes_cpu_int8_kernel
-from offgraph_export.runtime import SessionStorage
 from offgraph_export.specs import CacheConfig
 from tests import tiny_models as tm
 
@@ -50,20 +49,10 @@ def test_every_int8_linear_of_both_methods_takes_the_kernel(bf16_pair):
 
 def test_the_kernel_computes_the_dequantized_linear_up_to_bf16_rounding(bf16_pair):
     taken, plain = bf16_pair
-    stores = {name: SessionStorage(taken.manifest, "cpu", poison=True) for name in ("taken", "plain")}
-    modules = {"taken": taken.stripped.module(), "plain": plain.stripped.module()}
-    torch.manual_seed(7)
-    xs = torch.randn(1, 20, 32, dtype=torch.bfloat16)
-    used = 0
-    for width in [5, 1, 9]:
-        outs = {}
-        for name, module in modules.items():
-            stores[name].ensure(used + width, used)
-            outs[name] = module(xs[:, used:used + width], torch.arange(used, used + width), *stores[name].bound()).float()
-        scale = outs["plain"].abs().max().item()
-        diff = (outs["taken"] - outs["plain"]).abs().max().item()
+    for width, outs, _ in tm.replay_stripped({"taken": taken, "plain": plain}, [5, 1, 9], seed=7, dtype=torch.bfloat16):
+        scale = outs["plain"].float().abs().max().item()
+        diff = (outs["taken"].float() - outs["plain"].float()).abs().max().item()
         assert diff <= 2 ** -6 * max(scale, 1.0), (width, diff, scale)  # a few bf16 steps at the outputs' size
-        used += width
 
 
 def test_float32_and_int4_programs_keep_their_linears():

@@ -8,7 +8,6 @@ import torch
 from offgraph_export.ops.quantized import DECOMPOSITIONS
 from offgraph_export.passes.functionalize import calls_decomposed_ops, functionalize
 from offgraph_export.pipeline import run_passes
-from offgraph_export.runtime import SessionStorage
 from offgraph_export.specs import CacheConfig
 from tests import tiny_models as tm
 
@@ -40,21 +39,11 @@ def test_a_float_program_goes_to_aotinductor_as_the_strip_pass_left_it(both):
 
 def test_the_program_handed_on_computes_what_the_functional_one_does(both):
     functional, traced_later = both
-    m = functional.manifest
-    stores = {name: SessionStorage(m, "cpu", poison=True) for name in ("functional", "traced_later")}
-    modules = {"functional": functional.stripped.module(), "traced_later": traced_later.stripped.module()}
-    torch.manual_seed(5)
-    xs = torch.randn(1, 30, 32)
-    used = 0
-    for width in [5, 1, 9, 1, 14]:
-        outs = {}
-        for name, module in modules.items():
-            stores[name].ensure(used + width, used)
-            outs[name] = module(xs[:, used:used + width], torch.arange(used, used + width), *stores[name].bound())
+    programs = {"functional": functional, "traced_later": traced_later}
+    for _, outs, stores in tm.replay_stripped(programs, [5, 1, 9, 1, 14], seed=5):
         torch.testing.assert_close(outs["traced_later"], outs["functional"], atol=0, rtol=0)
         for a, b in zip(stores["traced_later"].bound(), stores["functional"].bound(), strict=True):
             torch.testing.assert_close(a, b, atol=0, rtol=0, equal_nan=True)
-        used += width
 
 
 def test_a_quantized_program_is_still_decomposed_before_aotinductor():
@@ -91,16 +80,5 @@ def test_a_quantized_program_before_aotinductor_is_spliced_not_retraced(scheme):
     assert [str(n.target) for n in spliced.stripped.graph.nodes if str(n.target).endswith("_.default")]
     assert spliced.stripped.graph_signature.user_inputs == functional.stripped.graph_signature.user_inputs
     assert spliced.stripped.graph_signature.buffers_to_mutate == before.graph_signature.buffers_to_mutate
-    m = functional.manifest
-    stores = {name: SessionStorage(m, "cpu", poison=True) for name in ("functional", "spliced")}
-    modules = {"functional": functional.stripped.module(), "spliced": spliced.stripped.module()}
-    torch.manual_seed(6)
-    xs = torch.randn(1, 20, 32)
-    used = 0
-    for width in [5, 1, 9]:
-        outs = {}
-        for name, module in modules.items():
-            stores[name].ensure(used + width, used)
-            outs[name] = module(xs[:, used:used + width], torch.arange(used, used + width), *stores[name].bound())
+    for _, outs, _ in tm.replay_stripped({"functional": functional, "spliced": spliced}, [5, 1, 9], seed=6):
         torch.testing.assert_close(outs["spliced"], outs["functional"], atol=0, rtol=0)
-        used += width

@@ -134,6 +134,27 @@ def export(model: nn.Module, inputs: tuple, token_dims: tuple, max_width: int = 
     return export_model(model, inputs, token_dims, max_width)
 
 
+def replay_stripped(programs: dict, widths: list[int], seed: int, dtype: torch.dtype = torch.float32, hidden: int = 32):
+    """Step each of ``programs`` (name -> a ``run_passes`` result of one model) over the same seeded
+    inputs, ``widths`` tokens at a time, each with storage of its own from the first program's
+    manifest; yields ``(width, outputs by name, storages by name)`` after every step."""
+    from offgraph_export.runtime import SessionStorage
+
+    manifest = next(iter(programs.values())).manifest
+    stores = {name: SessionStorage(manifest, "cpu", poison=True) for name in programs}
+    modules = {name: program.stripped.module() for name, program in programs.items()}
+    torch.manual_seed(seed)
+    xs = torch.randn(1, sum(widths), hidden, dtype=dtype)
+    used = 0
+    for width in widths:
+        outs = {}
+        for name, module in modules.items():
+            stores[name].ensure(used + width, used)
+            outs[name] = module(xs[:, used:used + width], torch.arange(used, used + width), *stores[name].bound())
+        yield width, outs, stores
+        used += width
+
+
 class Guarded(nn.Module):
     """:class:`Stack` behind a runtime assert on a third input: a step with ``fail`` != 0 raises
     inside the compiled program (export keeps ``torch._check`` on a data-dependent value as a

@@ -29,7 +29,9 @@ import torch
 from torch.export import ExportedProgram
 
 from offgraph_export.compat import program_copy
-from offgraph_export.passes.graph_utils import drop_dead, is_call, replace_node, tensor_value
+from offgraph_export.passes.graph_utils import (
+    dequantized_weight_args, drop_dead, is_call, replace_node, tensor_value, weight_names,
+)
 from offgraph_export.passes.result import PassResult
 
 __all__ = ["cpu_int8_linear", "TAKEN_DTYPES"]
@@ -39,18 +41,18 @@ aten = torch.ops.aten
 TAKEN_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _int8_weight(w: object) -> Optional[tuple[torch.fx.Node, torch.fx.Node]]:
+def _int8_weight(w: object, weights: set[str]) -> Optional[tuple[torch.fx.Node, torch.fx.Node]]:
     """``(qweight, scales)`` when ``w`` is ``offgraph::dequantize_weight`` of an int8 weight (no
-    zeros) in a taken dtype, stored as int8 ``[N, K]`` and ``[N]`` scales of that dtype."""
-    from offgraph_export.ops.quantized import dequantize_weight  # noqa: F401  (defines the op)
-
-    if not is_call(w, torch.ops.offgraph.dequantize_weight.default):
+    zeros, no group) in a taken dtype, stored as int8 ``[N, K]`` and ``[N]`` scales of that dtype."""
+    found = dequantized_weight_args(w, weights)
+    if found is None:
         return None
-    qweight, scales, zeros, group_size, dtype = w.args
+    qweight, scales, zeros, group_size = found
+    dtype = w.args[4]
     q, s = tensor_value(qweight), tensor_value(scales)
-    if zeros is not None or group_size or dtype not in TAKEN_DTYPES or q is None or s is None:
+    if zeros is not None or group_size or dtype not in TAKEN_DTYPES or s is None:
         return None
-    if q.dtype != torch.int8 or q.dim() != 2 or s.dtype != dtype or s.dim() != 1:
+    if q.dtype != torch.int8 or s.dtype != dtype or s.dim() != 1:
         return None
     return qweight, scales
 
@@ -61,13 +63,13 @@ def _leading_sizes(x: torch.Tensor) -> Optional[list[int]]:
     return sizes if sizes.count(-1) <= 1 else None
 
 
-def _site(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node, object, list[int]]]:
+def _site(node: torch.fx.Node, weights: set[str]) -> Optional[tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node, object, list[int]]]:
     """``(x, qweight, scales, bias, leading sizes)`` when ``node`` is a linear the pass takes."""
     if not is_call(node, aten.linear.default):
         return None
     x, w, *rest = node.args
     bias = rest[0] if rest else node.kwargs.get("bias")
-    found = _int8_weight(w)
+    found = _int8_weight(w, weights)
     xv, out = tensor_value(x), tensor_value(node)
     if found is None or xv is None or out is None or xv.dtype != w.args[4] or xv.dim() < 2:
         return None
@@ -79,13 +81,14 @@ def cpu_int8_linear(ep: ExportedProgram) -> PassResult[int]:
     """The module docstring's rewrite, on a copy of ``ep`` sharing its weights (``ep`` is an
     earlier pass's result, which the decode method is traced from again); ``produced``: the
     linears rewritten. A program with none is returned as it is."""
-    if not any(_site(node) for node in ep.graph.nodes):
+    weights = weight_names(ep)
+    if not any(_site(node, weights) for node in ep.graph.nodes):
         return PassResult(ep, modified=False, produced=0)
     ep = program_copy(ep)
     graph = ep.graph
     rewritten = 0
     for node in list(graph.nodes):
-        site = _site(node)
+        site = _site(node, weights)
         if site is None:
             continue
         x, qweight, scales, bias, lead = site

@@ -45,7 +45,8 @@ import torch
 from torch.export import ExportedProgram
 
 from offgraph_export.passes.graph_utils import (
-    binary_operands, drop_dead, is_call, no_write_between, only_user, replace_node, tensor_value, users,
+    binary_operands, dequantized_weight_args, drop_dead, is_call, no_write_between, only_user, replace_node, tensor_value,
+    users, weight_names,
 )
 from offgraph_export.passes.result import PassResult
 
@@ -98,28 +99,6 @@ def _cast_source(node: torch.fx.Node, dtype: torch.dtype) -> Optional[torch.fx.N
         ok = len(node.args) == 1 and set(node.kwargs) <= {"dtype"} and node.kwargs.get("dtype") == dtype
     src = node.args[0]
     return src if ok and isinstance(src, torch.fx.Node) else None
-
-
-def _quantized_weight(w: object, weights: set[str]) -> Optional[tuple[torch.fx.Node, torch.fx.Node, Optional[torch.fx.Node], int]]:
-    """``(qweight, scales, zeros, group_size)`` when ``w`` is ``offgraph::dequantize_weight`` of
-    weight placeholders (a row-major ``qweight``)."""
-    from offgraph_export.ops.quantized import dequantize_weight  # noqa: F401  (defines the op)
-
-    if not is_call(w, torch.ops.offgraph.dequantize_weight.default):
-        return None
-    q, scales, zeros, group = w.args[:4]
-    stored = [a for a in (q, scales, zeros) if a is not None]
-    if not all(isinstance(a, torch.fx.Node) and a.op == "placeholder" and a.name in weights for a in stored):
-        return None
-    qv = tensor_value(q)
-    if qv is None or qv.dim() != 2 or qv.stride(1) != 1 or not isinstance(group, int):
-        return None
-    return q, scales, zeros, group
-
-
-def _weight_names(ep: ExportedProgram) -> set[str]:
-    sig = ep.graph_signature
-    return {*sig.inputs_to_parameters, *sig.inputs_to_buffers, *sig.inputs_to_lifted_tensor_constants}
 
 
 # -- the patterns ---------------------------------------------------------------------------------
@@ -250,7 +229,7 @@ def _site(
         return None
     bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
     x, w = node.args[0], node.args[1]
-    quant = _quantized_weight(w, weights)
+    quant = dequantized_weight_args(w, weights)
     if quant is None and not (isinstance(w, torch.fx.Node) and w.op == "placeholder" and w.name in weights):
         return None
     xv, wv = tensor_value(x), tensor_value(w)
@@ -299,7 +278,7 @@ def decode_gemv(ep: ExportedProgram, device_types: tuple[str, ...] = ("cuda",)) 
     import offgraph_export.kernels.triton_gemv  # noqa: F401  (defines the op)
 
     gemv = torch.ops.offgraph_lowered.triton_gemv.default
-    weights = _weight_names(ep)
+    weights = weight_names(ep)
     graph = ep.graph
     sites: list[_Site] = []
     claimed: set[torch.fx.Node] = set()

@@ -28,6 +28,8 @@ __all__ = [
     "read_elsewhere",
     "drop_unused_attrs",
     "inline_calls",
+    "dequantized_weight_args",
+    "weight_names",
     "retrace_rewritten",
     "binary_operands",
     "drop_dead",
@@ -423,3 +425,28 @@ def inline_calls(ep: ExportedProgram, forms: Mapping[Any, Callable[..., torch.Te
     graph.lint()
     out.graph_module.recompile()
     return out, replaced
+
+
+def dequantized_weight_args(
+    w: object, weights: set[str],
+) -> Optional[tuple[torch.fx.Node, torch.fx.Node, Optional[torch.fx.Node], int]]:
+    """``(qweight, scales, zeros, group_size)`` when ``w`` is ``offgraph::dequantize_weight`` of
+    weight placeholders (``weights``: :func:`weight_names`; a row-major 2-D ``qweight``)."""
+    from offgraph_export.ops.quantized import dequantize_weight  # noqa: F401  (defines the op)
+
+    if not is_call(w, torch.ops.offgraph.dequantize_weight.default):
+        return None
+    q, scales, zeros, group = w.args[:4]
+    stored = [a for a in (q, scales, zeros) if a is not None]
+    if not all(isinstance(a, torch.fx.Node) and a.op == "placeholder" and a.name in weights for a in stored):
+        return None
+    qv = tensor_value(q)
+    if qv is None or qv.dim() != 2 or qv.stride(1) != 1 or not isinstance(group, int):
+        return None
+    return q, scales, zeros, group
+
+
+def weight_names(ep: ExportedProgram) -> set[str]:
+    """The placeholders that carry the program's parameters, buffers and lifted constants."""
+    sig = ep.graph_signature
+    return {*sig.inputs_to_parameters, *sig.inputs_to_buffers, *sig.inputs_to_lifted_tensor_constants}
