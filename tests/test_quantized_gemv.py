@@ -476,6 +476,45 @@ def test_decode_gemv_takes_every_quantized_linear(scheme, group):
     fixed.validate()
 
 
+@interpreter_only
+@pytest.mark.parametrize("scheme,group", [(None, None), ("int4", 32)])
+def test_interp_final_norm_folds_through_the_lm_head_slice(tmp_path, scheme, group):
+    """transformers' Llama slices the final norm's output (``hidden_states[:, -0:]``) before its
+    lm_head: the decode method's lm_head GEMV takes that norm too (no rsqrt left), and the
+    rewritten method computes the logits the method before the rewrite computes (fp32, the
+    interpreter running the kernels), from the same inputs and storage."""
+    import copy
+
+    transformers = pytest.importorskip("transformers")
+    from offgraph_export.frontends import load_bundle
+    from offgraph_export.passes.decode_gemv import decode_gemv
+    from offgraph_export.passes.specialize_width import specialize_width
+    from offgraph_export.pipeline import export_model, run_passes
+    from tests.test_frontend_hf import COMMON
+
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)).save_pretrained(tmp_path / "llama")
+    bundle = load_bundle(f"hf:{tmp_path / 'llama'}", initial_capacity=16)
+    inputs = bundle.example_inputs
+    ep = export_model(bundle.model.requires_grad_(False), inputs, bundle.token_dims, bundle.cache_config.max_write)
+    program = run_passes(ep, inputs, bundle.cache_config, "portable", quantize=scheme or "none", group_size=group)
+    plain = specialize_width(program.pass_results["strip_kv_cache"].program, program.step_width).program
+    folded = copy.deepcopy(plain)
+    result = decode_gemv(folded, device_types=("cpu",))
+    layers = COMMON["num_hidden_layers"]
+    assert result.produced.linears == 4 * layers + 1 and result.produced.norms == 2 * layers + 1
+    assert not any(n.target is torch.ops.aten.rsqrt.default for n in folded.graph.nodes)
+    folded.validate()
+    args, _ = plain.example_inputs
+    gen = torch.Generator().manual_seed(1)
+    args = [a.clone().normal_(generator=gen) if a.is_floating_point() else a.clone() for a in args]
+    args[1] = torch.full_like(args[1], args[2].shape[2] - 3)  # a position with history before it
+    a, b = [x.clone() for x in args], [x.clone() for x in args]
+    got, want = folded.module()(*a), plain.module()(*b)
+    got, want = (o[0] if isinstance(o, (tuple, list)) else o for o in (got, want))
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+
+
 @needs_triton
 def test_decode_gemv_takes_biased_projections(tmp_path):
     """A transformers Qwen2 (q/k/v with biases, fused into one biased q|k|v): every linear of its

@@ -11,7 +11,8 @@ row and whose weight is a row-major cuda parameter or constant into the
 ``offgraph_lowered::triton_gemv`` op, and takes into that one node, where the graph has them:
 
 * the RMSNorm producing ``x`` (``w_n * cast(xf * rsqrt(mean(xf ** 2, -1) + eps))``, ``xf`` the
-  input in fp32: the eager pattern of Llama-family models), as the kernel's prologue;
+  input in fp32: the eager pattern of Llama-family models), as the kernel's prologue, also where
+  a slice that keeps the whole tensor stands between them (transformers' final norm and lm_head);
 * a ``silu(gate) * up`` reading the two halves of a gate|up projection (as
   :mod:`~offgraph_export.passes.fuse_projections` splits it), as the gated epilogue; the
   projection may then be up to twice :data:`~offgraph_export.kernels.triton_gemv.MAX_GATED_ROWS`
@@ -166,6 +167,19 @@ def _match_rstd(r: object, xf: object) -> Optional[tuple[float, torch.fx.Node]]:
     return eps, p
 
 
+def _whole_slice_source(x: object) -> Optional[torch.fx.Node]:
+    """The sliced tensor when ``x`` is an ``aten.slice`` that keeps all of it (step 1, the same
+    shape: transformers' ``hidden_states[:, -logits_to_keep:]`` with ``logits_to_keep = 0``, between
+    the final norm and the lm_head), else None."""
+    if not is_call(x, aten.slice.Tensor):
+        return None
+    src, step = x.args[0], (x.args[4] if len(x.args) > 4 else x.kwargs.get("step", 1))
+    sv, xv = tensor_value(src), tensor_value(x)
+    if not isinstance(src, torch.fx.Node) or sv is None or xv is None or step != 1:
+        return None
+    return src if tuple(sv.shape) == tuple(xv.shape) else None
+
+
 def _match_gated(linear: torch.fx.Node) -> Optional[tuple[torch.fx.Node, bool]]:
     """``(mul, gate_first)`` when the linear's only use is ``silu(half) * other_half`` of its
     output split in two equal halves on the last dim (``split_with_sizes``, ``split``, ``chunk``)."""
@@ -246,7 +260,8 @@ def _site(
     q = quant is not None
     plain = gemv_applies(tuple(xv.shape), tuple(wv.shape), quantized=q)
     gated = _match_gated(node) if gemv_applies(tuple(xv.shape), tuple(wv.shape), gated=True, quantized=q) else None
-    norm = _match_rmsnorm(x, weights) if only_user(x) is node else None
+    normed = _whole_slice_source(x) or x  # transformers slices the final norm's output for the lm_head
+    norm = _match_rmsnorm(normed, weights) if only_user(x) is node and only_user(normed) in (node, x) else None
     # the folds that apply, dropped last-first until no write lies inside the folded pattern
     for use_norm, use_gated, use_residual in itertools.product((1, 0), repeat=3):
         if (use_gated and gated is None) or (not use_gated and not plain):
