@@ -116,6 +116,12 @@ def inductor_configs(specs: ArtifactSpecs, method: str, constants: str = "{}") -
     }
     if autotuned(specs, method):
         configs["max_autotune"] = True
+    if specs.device == "cuda":
+        # A cuda package's host code has no vectorized CPU kernel, yet AOTInductor first probes which
+        # CPU vector ISAs work: on torch 2.11 each probe compiles a library and starts a Python that
+        # imports torch to load it, and the probes raced in its threads: 11 of them, about 60 s of a
+        # fresh 1B cuda build's 83 s C++ stage on the H100 machine (benchmarks/h100-2026-12-08-build).
+        configs["cpp.vec_isa_ok"] = False
     if AOTI_CHECKS_LOWERBOUND:
         # The runtime runs every library with its input checks on (runtime/artifact.py); a dynamic
         # dim's compiled lower bound is 2 whatever export recorded (docs/design.md, one-token
