@@ -11,7 +11,8 @@ bf16 weights from seed 0, batch 1):
   ``offgraph-int8`` and ``offgraph-int4`` (``--quantize int8``, ``--quantize int4 --group-size
   128``) store every linear quantized, and their floor counts the stored bytes
   (:func:`quantized_weight_bytes`). Their CUDA-graph rows also time the captured graph replayed
-  alone (``replay_ms``).
+  alone (``replay_ms``), and a ``loop`` row times ``generate``'s greedy loop (the next step queued
+  before the token is read, so the host's work overlaps the step before: :func:`loop_rows`).
 * ``hf-aoti``: transformers' static cache (``TorchExportableModuleWithStaticCache``), exported
   with one token per step and compiled by AOTInductor, ordinary launches and replayed as a CUDA
   graph. Its cache holds ``--max-cache-len`` rows and every step attends over all of them.
@@ -398,6 +399,34 @@ def decode_rows(name: str, mode: str, step_at, histories, steps: int, floor) -> 
     return rows
 
 
+def loop_rows(name: str, artifact, make_inputs, prompt, histories, steps: int, floor) -> list[dict]:
+    """``generate``'s greedy loop with CUDA-graph decode on a session prefilled to each history:
+    ms/token = the median time between consecutive tokens reaching the host (its ``step_ms``),
+    after 5 warm-up tokens; the host's work for a step overlaps the step before it."""
+    from offgraph_export.generate import generate
+
+    rows = []
+    for history in histories:
+        session = artifact.new_session(cuda_graphs=True)
+        session.reserve(history + steps + EXTRA_DECODE_STEPS)
+        for start in range(0, history, PREFILL):
+            session.feed(make_inputs, prompt[:, start : min(start + PREFILL, history)])
+        kv_bytes = session.metrics().allocated_bytes
+        result = generate(session, make_inputs, [int(prompt[0, history])], steps + 6)
+        times = sorted(result.step_ms[5:])
+        ms = statistics.median(times)
+        floor_ms, floor_bytes = floor(history)
+        rows.append({
+            "contender": name, "mode": "loop", "history": history, "median_ms": ms,
+            "p10_ms": times[len(times) // 10], "p90_ms": times[(9 * len(times)) // 10], "steps": len(times),
+            "tokens_per_s": 1e3 / ms, "gb_per_s": floor_bytes / (ms * 1e-3) / 1e9,
+            "floor_ms": floor_ms, "pct_of_floor": 100 * floor_ms / ms, "kv_bytes": kv_bytes,
+        })
+        log(f"{name:10s} loop     history {history:6d}: {ms:.3f} ms ({rows[-1]['pct_of_floor']:.0f}% of floor)")
+        session.close()
+    return rows
+
+
 def measure_offgraph(args, floor, name: str) -> dict:
     from offgraph_export.frontends.hf.bundle import step_inputs as make_inputs  # no model built (8B: ~70 s on the host)
     from offgraph_export.runtime import Artifact
@@ -460,6 +489,8 @@ def measure_offgraph(args, floor, name: str) -> dict:
                 row["replay_ms"] = time_steps(session.replay_graph, args.steps)["median_ms"]
                 log(f"{name:10s} replay   history {row['history']:6d}: {row['replay_ms']:.3f} ms")
         close_sessions()
+    if dev.type == "cuda":  # the greedy loop a user runs (`generate`: the next step queued before a token is read)
+        rows += loop_rows(name, artifact, make_inputs, prompt, args.history, args.steps, floor)
     # prefill of 1024 tokens from an empty cache, the general method
     session = artifact.new_session()
 

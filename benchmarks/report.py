@@ -69,8 +69,10 @@ def render(out: Path) -> str:
                 f"{name} {quantized[name] / 1e9:.2f} GB" for name in ours if name in quantized) + ".", ""]
     lines += [
         "This project's rows time the runtime's whole step (inputs, admission, positions, growth check, "
-        "the program or its graph's replay, commit); `replay` is its captured graph replayed alone. The "
-        "static-cache contenders' graph rows time the replay alone (their inputs are set once).", "",
+        "the program or its graph's replay, commit); `replay` is its captured graph replayed alone; `loop` "
+        "rows time `generate`'s greedy loop (the time between tokens reaching the host, the next step queued "
+        "before a token is read). The static-cache contenders' graph rows time the replay alone (their inputs "
+        "are set once).", "",
         "| contender | launch | history | ms/token (median) | p90 | replay alone | tokens/s | GB/s | % of floor | KV bytes allocated |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -81,6 +83,7 @@ def render(out: Path) -> str:
             f"{r['tokens_per_s']:.0f} | {r['gb_per_s']:.0f} | {r['pct_of_floor']:.0f}% | {_mb(r['kv_bytes'])} |"
         )
     graph = {(r["contender"], r["history"]): r for r in rows if r["mode"] == "graph"}
+    loops = {(r["contender"], r["history"]): r for r in rows if r["mode"] == "loop"}
     histories = sorted({r["history"] for r in rows})
     lines += ["", "| history | ours, CUDA graph: step (replay alone) | best static-cache path, CUDA graph replay | speed-up: step (replay) |",
               "|---|---|---|---|"]
@@ -101,11 +104,14 @@ def render(out: Path) -> str:
             mine, theirs, bf16 = graph.get((name, h)), graph.get((f"gptfast-{scheme}", h)), graph.get(("offgraph", h))
             if mine and (theirs or bf16):
                 step = mine["median_ms"]
+                loop = loops.get((name, h))
+                loop_cell = "-" if not loop else f"{loop['median_ms']:.3f} ms" + (
+                    f" ({theirs['median_ms'] / loop['median_ms']:.2f}x)" if theirs else "")
                 quantized_rows.append(f"| {h:,} | {name} {step:.3f} ms ({mine['pct_of_floor']:.0f}% of its floor) | "
-                                      f"{_versus(theirs, step)} | {_versus(bf16, step)} |")
+                                      f"{_versus(theirs, step)} | {_versus(bf16, step)} | {loop_cell} |")
     if quantized_rows:
-        lines += ["", "| history | ours quantized, CUDA graph step | gpt-fast-style, same scheme | speed-up | ours bf16 | speed-up |",
-                  "|---|---|---|---|---|---|", *quantized_rows]
+        lines += ["", "| history | ours quantized, CUDA graph step | gpt-fast-style, same scheme | speed-up | ours bf16 | speed-up | greedy loop (speed-up) |",
+                  "|---|---|---|---|---|---|---|", *quantized_rows]
     lines += ["", "| contender | export + compile | package | prefill of 1024 tokens (median) |", "|---|---|---|---|"]
     for name in ours:
         ob = builds[name]

@@ -165,6 +165,29 @@ def test_cuda_graph_keeps_the_position_itself(cuda_example):
 
 
 @pytest.mark.cuda
+def test_cuda_greedy_loop_feeds_tokens_from_the_device(cuda_example):
+    """``generate`` with CUDA-graph decode queues each step before it reads the token fed to it
+    (design section 5): the tokens equal a loop that reads every token on the host before the
+    next ordinary-launch step (the graphed and plain steps are bit-equal, see above)."""
+    from offgraph_export.generate import generate
+    from offgraph_export.runtime import Artifact
+
+    artifact, bundle = cuda_example
+    graphed = Artifact.load(artifact.path, single_threaded=True).new_session(cuda_graphs=True)
+    prompt = _tokens(7, 11)[0].tolist()
+    got = generate(graphed, bundle.make_inputs, prompt, 20)
+    plain = artifact.new_session()
+    logits = plain.step(*bundle.make_inputs(torch.tensor([prompt], device="cuda"), 0))[0]
+    want = []
+    for i in range(20):
+        want.append(int(logits[0, -1].argmax()))
+        if i < 19:
+            logits = plain.step(*bundle.make_inputs(torch.tensor([[want[-1]]], device="cuda"), len(prompt) + i))[0]
+    assert got.new_tokens == want and len(got.step_ms) == 19
+    assert graphed.metrics().graph_replays >= 18 and graphed.committed_length == len(prompt) + 19
+
+
+@pytest.mark.cuda
 def test_cuda_out_of_vocabulary_id_does_not_take_the_process_down(cuda_example):
     artifact, bundle = cuda_example
     session = artifact.new_session()

@@ -381,6 +381,28 @@ def test_generate_session_state(loaded_example, example_bundle):
     assert session.metrics().steps == 1 + 3
 
 
+def test_generate_reports_the_tokens_made_before_a_failed_step(loaded_example, example_bundle):
+    """The greedy loop queues the next step before it reads the token that step is fed: when that
+    step fails (here the input builder raises at the third decode step), the token already made
+    still reaches ``on_token`` and the result before the error is raised, and the session holds
+    exactly the steps that ran."""
+    session = loaded_example.new_session()
+    calls = []
+
+    def make_inputs(tokens, start):
+        calls.append(start)
+        if len(calls) == 1 + 3:  # one prefill chunk, then the third decode step
+            raise RuntimeError("input builder failed")
+        return example_bundle.make_inputs(tokens, start)
+
+    seen = []
+    with pytest.raises(RuntimeError, match="input builder failed"):
+        generate(session, make_inputs, list(range(5)), 8, on_token=seen.append)
+    want = generate(loaded_example.new_session(), example_bundle.make_inputs, list(range(5)), 8).new_tokens
+    assert seen == want[:3]  # the tokens of the prefill and the two decode steps that ran
+    assert session.committed_length == 5 + 2
+
+
 def test_generate_reserves_what_it_needs_once(loaded_example, example_bundle):
     """40 prompt tokens and 30 new ones write 69 rows: one allocation of exactly 69 rows up
     front instead of growing 16 -> 32 -> 64 -> 128 along the way."""
