@@ -21,6 +21,7 @@ __all__ = [
     "MODULE_CHECKS_GUARDS",
     "int_array_cache_keyed_by_bound_method",
     "aoti_shim_lacks",
+    "aoti_shim_declares",
     "dynamic_dim",
     "decompose",
     "unlifted_module",
@@ -130,17 +131,27 @@ def decompose(ep: ExportedProgram, table: "dict | None" = None) -> ExportedProgr
 
 
 
-def program_copy(ep: ExportedProgram) -> ExportedProgram:
+def program_copy(ep: ExportedProgram, own_weights: bool = False) -> ExportedProgram:
     """A new program over a copy of ``ep``'s graph (node names kept, so the copied signature still
     names them) that shares its weights and constants: a pass may then edit the graph in place
     without touching ``ep`` (an earlier pass's result, which later passes read again).
-    ``ExportedProgram._update`` (torch 2.3 to 2.13) builds it the way export's own passes do."""
+    ``own_weights``: the copy's state dict is its own (the same tensors), for a pass that adds
+    weights. ``ExportedProgram._update`` (torch 2.3 to 2.13) builds it the way export's own
+    passes do."""
     import copy
 
     graph = copy.deepcopy(ep.graph)
     module = torch.fx.GraphModule(ep.graph_module, graph)
     assert [n.name for n in graph.nodes] == [n.name for n in ep.graph.nodes]
-    return ep._update(module, copy.deepcopy(ep.graph_signature))
+    return ep._update(module, copy.deepcopy(ep.graph_signature), state_dict=dict(ep.state_dict) if own_weights else None)
+
+
+def aoti_shim_declares(function: str) -> bool:
+    """Whether AOTInductor's hand-written C shim declares ``function``
+    (``aoti_torch_cpu__weight_int4pack_mm_cpu_tensor``: torch 2.13's ``c/shim_cpu.h`` does), read
+    from the header torch ships; False where the header is absent."""
+    header = Path(torch.__file__).parent / "include/torch/csrc/inductor/aoti_torch/c" / "shim_cpu.h"
+    return header.is_file() and f"{function}(" in header.read_text(encoding="utf-8", errors="replace")
 
 
 def aoti_shim_lacks(device: str, op_names: "list[str]") -> list[str]:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
-from offgraph_export.compat import aoti_shim_lacks, dynamic_dim
+from offgraph_export.compat import aoti_shim_declares, aoti_shim_lacks, dynamic_dim
 from offgraph_export.errors import ExportError
 from offgraph_export.frontends.torchao_weights import (
     convert_torchao_weights, export_scheme, float_stand_ins, torchao_parameters,
@@ -32,6 +32,7 @@ from offgraph_export.models import ModelBundle
 from offgraph_export.options import ExportOptions, OptionError, device_kind, lowering_record, pass_record
 from offgraph_export.passes.bound_table_indices import bound_table_indices
 from offgraph_export.passes.build_manifest import build_manifest
+from offgraph_export.passes.cpu_int4_linear import cpu_int4_linear
 from offgraph_export.passes.cpu_int8_linear import cpu_int8_linear
 from offgraph_export.passes.decode_gemv import decode_gemv as decode_gemv_pass
 from offgraph_export.passes.decode_rope import decode_rope as decode_rope_pass
@@ -61,6 +62,7 @@ __all__ = [
     "lower",
     "export_and_lower",
     "takes_cpu_int8_kernel",
+    "takes_cpu_int4_kernel",
 ]
 
 Progress = Callable[[str], None]
@@ -201,6 +203,7 @@ def run_passes(
     quantize_lm_head: str | None = None,
     lowering_traces: bool = False,
     cpu_int8_kernel: bool = False,
+    cpu_int4_kernel: bool = False,
 ) -> StrippedProgram:
     """validate -> record step width -> record positions -> bound table indices -> fuse
     projections (``fuse``) -> quantize weights (``quantize``: ``int8`` or ``int4`` with
@@ -218,7 +221,9 @@ def run_passes(
     (``passes/functionalize.py``); False (an ExecuTorch lowering, or a caller's own use of the
     programs) leaves every program functional and decomposed. ``cpu_int8_kernel``: the programs go
     to AOTInductor for cpu, whose int8 linears in bf16/fp16 then take torch's int8 CPU kernel
-    (``passes/cpu_int8_linear.py``; the general and decode methods, before ``functionalize``).
+    (``passes/cpu_int8_linear.py``; the general and decode methods, before ``functionalize``);
+    ``cpu_int4_kernel``: likewise, int4 linears take torch's int4 CPU kernel
+    (``passes/cpu_int4_linear.py``, its packed weights made once for both methods).
 
     ``step_impl``: ``portable``, ``triton``, or a callable with the signature of
     ``portable_update_and_attend`` (recorded in the specs by its ``__name__``). Each pass's time
@@ -237,7 +242,9 @@ def run_passes(
     def functional(p: ExportedProgram) -> PassResult[None]:
         return functionalize(p, lowering_traces)
 
+    int4_packed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # one packing, both methods
     int8_kernel = [("cpu_int8_linear", cpu_int8_linear)] if cpu_int8_kernel else []
+    int8_kernel += [("cpu_int4_linear", lambda p: cpu_int4_linear(p, int4_packed))] if cpu_int4_kernel else []
 
     steps: list[tuple[str, Callable[[ExportedProgram], PassResult[Any]]]] = [
         ("validate_kv_sites", validate_kv_sites),
@@ -273,6 +280,8 @@ def run_passes(
             decode_program = timed("decode_rope", lambda: decode_rope_pass(decode_program)).program
         if cpu_int8_kernel:
             decode_program = timed("cpu_int8_linear_decode", lambda: cpu_int8_linear(decode_program)).program
+        if cpu_int4_kernel:
+            decode_program = timed("cpu_int4_linear_decode", lambda: cpu_int4_linear(decode_program, int4_packed)).program
         decode = timed("functionalize_decode", lambda: functional(decode_program)).program
     sessions = None
     if decode_sessions:
@@ -305,6 +314,14 @@ def takes_cpu_int8_kernel(fmt: str, device: str, quantize: str, quantize_lm_head
     if fmt != "pt2" or device_kind(device) != "cpu" or "int8" not in (quantize, quantize_lm_head):
         return False
     return not aoti_shim_lacks("cpu", ["_weight_int8pack_mm"])
+
+
+def takes_cpu_int4_kernel(fmt: str, device: str, quantize: str, quantize_lm_head: str | None) -> bool:
+    """Whether an export's int4 linears in bf16/fp16 take torch's int4 CPU kernel: a cpu ``.pt2``
+    storing some weight as int4, with a torch whose AOTInductor CPU shim declares the kernel."""
+    if fmt != "pt2" or device_kind(device) != "cpu" or "int4" not in (quantize, quantize_lm_head):
+        return False
+    return aoti_shim_declares("aoti_torch_cpu__weight_int4pack_mm_cpu_tensor")
 
 
 def _fused_sources(fused: PassResult[list[list[str]]] | None) -> dict[str, list[str]]:
@@ -413,6 +430,7 @@ def export_and_lower(
         progress=progress, stored=torchao.stored if torchao is not None else None, quantize_others=quantize_others,
         quantize_lm_head=resolved.quantize_lm_head, lowering_traces=resolved.format == "pt2",
         cpu_int8_kernel=takes_cpu_int8_kernel(resolved.format, resolved.device, quantize, resolved.quantize_lm_head),
+        cpu_int4_kernel=takes_cpu_int4_kernel(resolved.format, resolved.device, quantize, resolved.quantize_lm_head),
     )
     timings["passes_s"] = time.perf_counter() - t0
     timings.update({f"pass_{name}_s": seconds for name, seconds in program.pass_seconds.items()})

@@ -88,6 +88,12 @@ def program_constants(ep: ExportedProgram) -> dict[str, Any]:
     return {k: v for k, v in {**ep.state_dict, **ep.constants}.items() if hasattr(v, "dtype")}
 
 
+def lowering_scalars(ep: ExportedProgram) -> list[int]:
+    """The int64 scalars AOTInductor adds as constants while lowering ``ep``: the group sizes of its
+    ``_weight_int4pack_mm_for_cpu`` calls (``passes/cpu_int4_linear.py``)."""
+    return sorted({int(n.args[2]) for n in ep.graph.nodes if n.target is torch.ops.aten._weight_int4pack_mm_for_cpu.default})
+
+
 def aoti_metadata(specs: ArtifactSpecs, method: str = STEP_METHOD, constants: str = "{}") -> dict[str, str]:
     """``constants``: the method's :func:`~offgraph_export.specs.constants.describe_constants`."""
     return {
@@ -203,7 +209,7 @@ def compile_package(
             tuned = " with max-autotune" if autotuned(specs, method) else ""
             progress(f"compiling method {method!r} for {specs.device}{tuned}")
             args, kwargs = ep.example_inputs
-            constants = describe_constants(program_constants(ep))
+            constants = describe_constants(program_constants(ep), lowering_scalars(ep))
             started, before = time.perf_counter(), _inductor_stage_totals()
             try:
                 with fresh_int_array_names():

@@ -30,7 +30,7 @@ from torch.export import ExportedProgram
 
 from offgraph_export.compat import program_copy
 from offgraph_export.passes.graph_utils import (
-    dequantized_weight_args, drop_dead, is_call, replace_node, tensor_value, weight_names,
+    dequantized_weight_args, drop_dead, is_call, leading_sizes, replace_node, tensor_value, weight_names,
 )
 from offgraph_export.passes.result import PassResult
 
@@ -57,12 +57,6 @@ def _int8_weight(w: object, weights: set[str]) -> Optional[tuple[torch.fx.Node, 
     return qweight, scales
 
 
-def _leading_sizes(x: torch.Tensor) -> Optional[list[int]]:
-    """``x``'s sizes but the last, the one symbolic size (if any) as -1; None for two or more."""
-    sizes = [int(d) if isinstance(d, int) else -1 for d in x.shape[:-1]]
-    return sizes if sizes.count(-1) <= 1 else None
-
-
 def _site(node: torch.fx.Node, weights: set[str]) -> Optional[tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node, object, list[int]]]:
     """``(x, qweight, scales, bias, leading sizes)`` when ``node`` is a linear the pass takes."""
     if not is_call(node, aten.linear.default):
@@ -73,7 +67,7 @@ def _site(node: torch.fx.Node, weights: set[str]) -> Optional[tuple[torch.fx.Nod
     xv, out = tensor_value(x), tensor_value(node)
     if found is None or xv is None or out is None or xv.dtype != w.args[4] or xv.dim() < 2:
         return None
-    lead = _leading_sizes(xv)
+    lead = leading_sizes(xv)
     return None if lead is None else (x, *found, bias, lead)
 
 

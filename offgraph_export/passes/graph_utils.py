@@ -30,6 +30,9 @@ __all__ = [
     "inline_calls",
     "dequantized_weight_args",
     "weight_names",
+    "weight_tensor",
+    "leading_sizes",
+    "add_buffer",
     "retrace_rewritten",
     "binary_operands",
     "drop_dead",
@@ -450,3 +453,51 @@ def weight_names(ep: ExportedProgram) -> set[str]:
     """The placeholders that carry the program's parameters, buffers and lifted constants."""
     sig = ep.graph_signature
     return {*sig.inputs_to_parameters, *sig.inputs_to_buffers, *sig.inputs_to_lifted_tensor_constants}
+
+
+def weight_tensor(ep: ExportedProgram, node: torch.fx.Node) -> Optional[torch.Tensor]:
+    """The real tensor a weight placeholder of ``ep`` carries (parameter, buffer or lifted
+    constant), or None."""
+    sig = ep.graph_signature
+    target = (sig.inputs_to_parameters.get(node.name) or sig.inputs_to_buffers.get(node.name)
+              or sig.inputs_to_lifted_tensor_constants.get(node.name))
+    if target is None:
+        return None
+    value = ep.state_dict.get(target)
+    return value if value is not None else ep.constants.get(target)
+
+
+def add_buffer(ep: ExportedProgram, target: str, value: torch.Tensor) -> torch.fx.Node:
+    """A new persistent buffer ``target`` of ``ep`` holding ``value`` (AOTInductor stores a buffer
+    under its name, as the program's other weights): a placeholder after the last weight
+    placeholder (the signature lists weights before user inputs), its input spec at the same
+    position, ``value`` in ``ep.state_dict`` (give ``ep`` a state dict of its own first when it
+    shares one) and a fake value of the program's fake mode as its ``val``."""
+    from torch._guards import detect_fake_mode
+    from torch.export.graph_signature import InputKind
+    from torch.export.graph_signature import InputSpec as SigInputSpec
+
+    if target in ep.constants or target in ep.state_dict:
+        raise ExportError(f"the program already holds a weight named {target!r}")
+    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    weights = weight_names(ep)
+    index = max((i + 1 for i, n in enumerate(placeholders) if n.name in weights), default=0)
+    fake_mode = detect_fake_mode([n.meta.get("val") for n in placeholders if n.meta.get("val") is not None])
+    if index < len(placeholders):
+        with ep.graph.inserting_before(placeholders[index]):
+            node = ep.graph.placeholder("b_" + target.replace(".", "_"))
+    else:
+        with ep.graph.inserting_after(placeholders[-1]) if placeholders else ep.graph.inserting_before(None):
+            node = ep.graph.placeholder("b_" + target.replace(".", "_"))
+    node.meta["val"] = fake_mode.from_tensor(value, static_shapes=True) if fake_mode is not None else value
+    ep.graph_signature.input_specs.insert(
+        index, SigInputSpec(kind=InputKind.BUFFER, arg=TensorArgument(name=node.name), target=target, persistent=True)
+    )
+    ep.state_dict[target] = value
+    return node
+
+
+def leading_sizes(x: torch.Tensor) -> Optional[list[int]]:
+    """``x``'s sizes but the last, the one symbolic size (if any) as -1; None for two or more."""
+    sizes = [int(d) if isinstance(d, int) else -1 for d in x.shape[:-1]]
+    return sizes if sizes.count(-1) <= 1 else None

@@ -9,16 +9,22 @@ rows densely), would otherwise be read past its end. Works on anything with ``dt
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from offgraph_export.errors import ArtifactError
 from offgraph_export.specs.limits import loads_limited
 
-__all__ = ["CONSTANTS_KEY", "describe_constants", "check_constants"]
+__all__ = ["CONSTANTS_KEY", "SCALARS_KEY", "describe_constants", "check_constants"]
 
 #: AOTI metadata key of a method's constants description.
 CONSTANTS_KEY = "offgraph_constants"
+#: The description's entry listing the values of the int64 scalars AOTInductor adds as constants
+#: of its own while lowering (``_weight_int4pack_mm_for_cpu``'s group size, named ``constantN`` by
+#: the compiler, so not known before the compile): such a constant is accepted only as a 0-dim
+#: int64 tensor holding one of these values (a group size that disagrees with the scales' shape
+#: would make the kernel read past them; it checks nothing itself).
+SCALARS_KEY = "*int64 scalars*"
 
 
 def check_constants(weights: Mapping[str, Any], description: str, method: str, source: str) -> None:
@@ -30,13 +36,18 @@ def check_constants(weights: Mapping[str, Any], description: str, method: str, s
     data = loads_limited(description, f"{source}: method {method!r} constants", ArtifactError)
     if not isinstance(data, dict):
         raise ArtifactError(f"{source}: method {method!r}: the compiled constants description is not an object")
-    extra = sorted(set(weights) - set(data))
+    scalars = data.pop(SCALARS_KEY, [])
+    if not isinstance(scalars, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in scalars):
+        raise ArtifactError(f"{source}: method {method!r}: the description's {SCALARS_KEY!r} is not a list of integers")
+    extra = sorted(name for name in set(weights) - set(data) if not _allowed_scalar(weights[name], scalars))
     if extra:
         raise ArtifactError(
             f"{source}: method {method!r}: the weights config names {extra[:3]}, which are not "
             "constants the program was compiled for"
         )
     for name, tensor in weights.items():
+        if name not in data:  # an allowed scalar
+            continue
         want, got = data[name], _describe(tensor)
         if not isinstance(want, list) or len(want) not in (2, 3):
             raise ArtifactError(f"{source}: method {method!r}: the description of constant {name!r} is malformed")
@@ -55,6 +66,13 @@ def check_constants(weights: Mapping[str, Any], description: str, method: str, s
             )
 
 
+def _allowed_scalar(tensor: Any, values: list[int]) -> bool:
+    """Whether ``tensor`` is a 0-dim int64 holding one of ``values`` (:data:`SCALARS_KEY`)."""
+    if not values or str(tensor.dtype).removeprefix("torch.") != "int64" or list(tensor.shape) != []:
+        return False
+    return int(tensor.item()) in values
+
+
 def _describe(tensor: Any) -> list[Any]:
     return [str(tensor.dtype).removeprefix("torch."), list(tensor.shape), list(tensor.stride())]
 
@@ -71,8 +89,11 @@ def _dense(shape: Any, stride: Any) -> bool:
     return True
 
 
-def describe_constants(constants: Mapping[str, Any]) -> str:
+def describe_constants(constants: Mapping[str, Any], scalars: Sequence[int] = ()) -> str:
     """Canonical JSON ``{name: [dtype, shape, stride]}`` of a program's constants (compiled into each
-    method's metadata at export, compared by :func:`check_constants` at load)."""
-    data = {name: _describe(t) for name, t in constants.items()}
+    method's metadata at export, compared by :func:`check_constants` at load); ``scalars``: the
+    values of the int64 scalars the compiler will add (:data:`SCALARS_KEY`)."""
+    data: dict[str, Any] = {name: _describe(t) for name, t in constants.items()}
+    if scalars:
+        data[SCALARS_KEY] = sorted(set(int(v) for v in scalars))
     return json.dumps(data, sort_keys=True, separators=(",", ":"))

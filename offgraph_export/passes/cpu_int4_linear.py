@@ -1,0 +1,152 @@
+"""Route a cpu program's int4 linears in bf16 or fp16 to torch's int4 weight-only CPU kernel.
+
+Why: as for int8 (:mod:`~offgraph_export.passes.cpu_int8_linear`), a quantized linear computes
+from ``offgraph::dequantize_weight``, which the compiler turns into a kernel writing the float
+weight ``W'`` out every step before the matmul reads it. torch's
+``aten._weight_int4pack_mm_for_cpu(x [M, K], packed [N, K / 2] uint8, group, scales_and_zeros [K /
+group, N, 2])`` reads 4-bit values in its own blocked layout (made by
+``aten._convert_weight_to_int4pack_for_cpu`` from the ``[N, K]`` values) and computes ``((q - 8) *
+scale + zero) . x`` per group: the stored form of design section 11 exactly. AOTInductor's CPU C
+shim declares it (``aoti_torch_cpu__weight_int4pack_mm_cpu_tensor``, torch 2.13). Measured on the
+dev CPU (``benchmarks/cpu-2026-12-08-int4pack/``, eager, one row, SmolLM2-135M shapes, group 32):
+1.8-4.7x faster than the bf16 linear itself, 6-125x faster than dequantize + linear; slower than
+the bf16 linear from 8 rows (as the int8 kernel), and in fp32 5-14x slower than the fp32 linear:
+so only bf16 and fp16 weights are taken. The whole SmolLM2 decode step: 8.77 ms/token against
+75.27 (dequantize + linear) and 25.53 (bf16) (``benchmarks/cpu-2026-12-08-int4-step/``). Not
+applied on a ``.pte`` nor on cuda.
+
+Each ``aten.linear(x, offgraph::dequantize_weight(q, s, z, group, dt)[, b])`` with an int4 weight
+(``q`` uint8 ``[N, K / 2]`` two values a byte, ``s``/``z`` ``[N, K / group]`` in ``dt``) whose
+dtype ``dt`` and ``x``'s are bf16 or fp16 and whose ``N`` is a multiple of 16 (the packing's
+rule) becomes ``view(x, [-1, K])`` -> ``_weight_int4pack_mm_for_cpu`` -> ``view`` to ``x``'s
+leading dims and ``N`` [-> ``add`` of the bias]. The packed weight and ``scales_and_zeros`` are new
+buffers of the program (``<qweight's name>_cpu_int4pack`` and ``_cpu_int4_scales_zeros``),
+made once per export from the stored tensors (``packed``: give the same dict to the general and
+the decode method's calls, so both hold the same tensors and the package stores them once); the
+stored ``q``, ``s``, ``z`` and the dequantize node go once nothing reads them. The result differs
+from the linear over ``W'`` by rounding only (``W'`` never rounded to ``dt``, the kernel's own
+summation). The program's inputs and outputs are unchanged. Produces how many linears were
+rewritten.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+from typing import Optional
+
+import torch
+from torch.export import ExportedProgram
+
+from offgraph_export.compat import program_copy
+from offgraph_export.passes.cpu_int8_linear import TAKEN_DTYPES
+from offgraph_export.passes.graph_utils import (
+    add_buffer, dequantized_weight_args, drop_dead, is_call, leading_sizes, replace_node, tensor_value, weight_names, weight_tensor,
+)
+from offgraph_export.passes.result import PassResult
+
+__all__ = ["cpu_int4_linear", "KERNEL_GROUPS"]
+
+aten = torch.ops.aten
+#: the group sizes the kernel takes
+KERNEL_GROUPS = (32, 64, 128, 256)
+#: ``_convert_weight_to_int4pack_for_cpu``'s rule: rows a multiple of this
+_ROW_MULTIPLE = 16
+#: the packing's inner tiles argument (its CPU form does not use it; 2 as torchao passes)
+_INNER_K_TILES = 2
+
+
+def _int4_weight(w: object, weights: set[str]) -> Optional[tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node, int]]:
+    """``(qweight, scales, zeros, group)`` when ``w`` is ``offgraph::dequantize_weight`` of an int4
+    weight in a taken dtype, in the stored form the kernel's packing takes."""
+    found = dequantized_weight_args(w, weights)
+    if found is None:
+        return None
+    qweight, scales, zeros, group = found
+    dtype = w.args[4]
+    if zeros is None or group not in KERNEL_GROUPS or dtype not in TAKEN_DTYPES:
+        return None
+    q, s, z = tensor_value(qweight), tensor_value(scales), tensor_value(zeros)
+    if q is None or s is None or z is None or q.dtype != torch.uint8:
+        return None
+    n, half = q.shape
+    if n % _ROW_MULTIPLE or (2 * half) % group or tuple(s.shape) != (n, 2 * half // group):
+        return None
+    if s.dtype != dtype or z.dtype != dtype or tuple(z.shape) != tuple(s.shape):
+        return None
+    return qweight, scales, zeros, group
+
+
+def _site(node: torch.fx.Node, weights: set[str]):
+    """``(x, qweight, scales, zeros, group, bias, leading sizes)`` when ``node`` is a linear the pass takes."""
+    if not is_call(node, aten.linear.default):
+        return None
+    x, w, *rest = node.args
+    bias = rest[0] if rest else node.kwargs.get("bias")
+    found = _int4_weight(w, weights)
+    xv = tensor_value(x)
+    if found is None or xv is None or tensor_value(node) is None or xv.dtype != w.args[4] or xv.dim() < 2:
+        return None
+    lead = leading_sizes(xv)
+    return None if lead is None else (x, *found, bias, lead)
+
+
+def pack_for_cpu(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's ``(packed [N, K / 2] uint8, scales_and_zeros [K / group, N, 2])`` from the stored
+    form (low nibble: even column)."""
+    values = torch.stack([qweight & 15, qweight >> 4], dim=-1).reshape(qweight.shape[0], -1).to(torch.int32)
+    packed = aten._convert_weight_to_int4pack_for_cpu(values, _INNER_K_TILES)
+    return packed, torch.stack([scales.t(), zeros.t()], dim=-1).contiguous()
+
+
+def cpu_int4_linear(
+    ep: ExportedProgram, packed: MutableMapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> PassResult[int]:
+    """The module docstring's rewrite, on a copy of ``ep`` sharing its weights (``ep`` is an
+    earlier pass's result, which the decode method is traced from again) with a state dict of
+    its own. ``packed``: the kernel's tensors by stored weight name, filled and reused (one
+    dict per export, shared by its methods). ``produced``: the linears rewritten."""
+    weights = weight_names(ep)
+    if not any(_site(node, weights) for node in ep.graph.nodes):
+        return PassResult(ep, modified=False, produced=0)
+    packed = {} if packed is None else packed
+    source = ep
+    ep = program_copy(ep, own_weights=True)
+    graph = ep.graph
+    made: dict[str, tuple[torch.fx.Node, torch.fx.Node]] = {}
+    rewritten = 0
+    for node in list(graph.nodes):
+        site = _site(node, weights)
+        if site is None:
+            continue
+        x, qweight, scales, zeros, group, bias, lead = site
+        target = next(spec.target for spec in source.graph_signature.input_specs if spec.arg.name == qweight.name)
+        if target not in packed:
+            packed[target] = pack_for_cpu(*(weight_tensor(source, n) for n in (qweight, scales, zeros)))
+        if target not in made:
+            made[target] = (add_buffer(ep, f"{target}_cpu_int4pack", packed[target][0]),
+                            add_buffer(ep, f"{target}_cpu_int4_scales_zeros", packed[target][1]))
+        w_node, sz_node = made[target]
+        xv, out = tensor_value(x), tensor_value(node)
+        n, k = tensor_value(qweight).shape[0], 2 * tensor_value(qweight).shape[1]
+        with graph.inserting_before(node):
+            rows = graph.call_function(aten.view.default, (x, [-1, int(k)]))
+            rows.meta["val"] = xv.view(-1, int(k))
+            mm = graph.call_function(aten._weight_int4pack_mm_for_cpu.default, (rows, w_node, group, sz_node))
+            mm.meta["val"] = aten._weight_int4pack_mm_for_cpu.default(
+                rows.meta["val"], tensor_value(w_node), group, tensor_value(sz_node))
+            result = graph.call_function(aten.view.default, (mm, [*lead, int(n)]))
+            result.meta["val"] = mm.meta["val"].view(*lead, int(n))
+            created = [rows, mm, result]
+            if bias is not None:
+                result = graph.call_function(aten.add.Tensor, (result, bias))
+                result.meta["val"] = out
+                created.append(result)
+        for created_node in created:
+            created_node.meta.update({key: node.meta[key] for key in ("stack_trace", "nn_module_stack") if key in node.meta})
+        replace_node(ep, node, result)
+        graph.erase_node(node)
+        rewritten += 1
+    drop_dead(graph)
+    graph.lint()
+    ep.graph_module.recompile()
+    return PassResult(ep, modified=True, produced=rewritten)
