@@ -10,9 +10,9 @@ bf16 weights from seed 0, batch 1):
   ``offgraph-unfused`` (``--no-decode-gemv --no-decode-rope``) take folds away (``VARIANTS``);
   ``offgraph-int8`` and ``offgraph-int4`` (``--quantize int8``, ``--quantize int4 --group-size
   128``) store every linear quantized, and their floor counts the stored bytes
-  (:func:`quantized_weight_bytes`). Their CUDA-graph rows also time the captured graph replayed
-  alone (``replay_ms``), and a ``loop`` row times ``generate``'s greedy loop (the next step queued
-  before the token is read, so the host's work overlaps the step before: :func:`loop_rows`).
+  (:func:`quantized_weight_bytes`). This project's CUDA-graph rows also time the captured graph
+  replayed alone (``replay_ms``), and its ``loop`` rows ``generate``'s greedy loop (the next step
+  queued before the token is read, so the host's work overlaps the step before: :func:`loop_rows`).
 * ``hf-aoti``: transformers' static cache (``TorchExportableModuleWithStaticCache``), exported
   with one token per step and compiled by AOTInductor, ordinary launches and replayed as a CUDA
   graph. Its cache holds ``--max-cache-len`` rows and every step attends over all of them.
@@ -411,8 +411,10 @@ def loop_rows(name: str, artifact, make_inputs, prompt, histories, steps: int, f
         session.reserve(history + steps + EXTRA_DECODE_STEPS)
         for start in range(0, history, PREFILL):
             session.feed(make_inputs, prompt[:, start : min(start + PREFILL, history)])
-        kv_bytes = session.metrics().allocated_bytes
+        kv_bytes, growths_before = session.metrics().allocated_bytes, session.metrics().growth_count
         result = generate(session, make_inputs, [int(prompt[0, history])], steps + 6)
+        if session.metrics().growth_count != growths_before:
+            raise RuntimeError("a session's storage grew while its loop was timed: raise EXTRA_DECODE_STEPS")
         times = sorted(result.step_ms[5:])
         ms = statistics.median(times)
         floor_ms, floor_bytes = floor(history)

@@ -146,12 +146,18 @@ def program_copy(ep: ExportedProgram, own_weights: bool = False) -> ExportedProg
     return ep._update(module, copy.deepcopy(ep.graph_signature), state_dict=dict(ep.state_dict) if own_weights else None)
 
 
+def _shim_header(name: str) -> str:
+    """The text of AOTInductor's C shim header ``name`` (under ``aoti_torch/``) as torch ships it;
+    empty where it is absent."""
+    header = Path(torch.__file__).parent / "include/torch/csrc/inductor/aoti_torch" / name
+    return header.read_text(encoding="utf-8", errors="replace") if header.is_file() else ""
+
+
 def aoti_shim_declares(function: str) -> bool:
-    """Whether AOTInductor's hand-written C shim declares ``function``
-    (``aoti_torch_cpu__weight_int4pack_mm_cpu_tensor``: torch 2.13's ``c/shim_cpu.h`` does), read
-    from the header torch ships; False where the header is absent."""
-    header = Path(torch.__file__).parent / "include/torch/csrc/inductor/aoti_torch/c" / "shim_cpu.h"
-    return header.is_file() and f"{function}(" in header.read_text(encoding="utf-8", errors="replace")
+    """Whether AOTInductor's hand-written CPU C shim declares ``function``
+    (``aoti_torch_cpu__weight_int4pack_mm_cpu_tensor``: torch 2.13's ``c/shim_cpu.h`` does);
+    False where the header is absent."""
+    return f"{function}(" in _shim_header("c/shim_cpu.h")
 
 
 def aoti_shim_lacks(device: str, op_names: "list[str]") -> list[str]:
@@ -159,8 +165,7 @@ def aoti_shim_lacks(device: str, op_names: "list[str]") -> list[str]:
     does not declare, so that a package calling them fails to compile (torch 2.11's CUDA shim
     lacks ``_grouped_mm``, which transformers' mixture-of-experts layers call; 2.13's has it).
     Read from the shim header torch ships; none where the header is absent (nothing known)."""
-    header = Path(torch.__file__).parent / "include/torch/csrc/inductor/aoti_torch/generated" / f"c_shim_{device}.h"
-    if not header.is_file():
+    text = _shim_header(f"generated/c_shim_{device}.h")
+    if not text:
         return []
-    text = header.read_text(encoding="utf-8", errors="replace")
     return [name for name in op_names if f"aoti_torch_{device}_{name}(" not in text]

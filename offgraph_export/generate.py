@@ -23,7 +23,11 @@ class GenerationResult:
 
     @property
     def decode_ms_median(self) -> float | None:
-        """Median time of the decode steps, ms; None when none ran (one new token)."""
+        """Median of ``step_ms``, ms; None when no decode step ran (one new token). For
+        :func:`generate`, the time between consecutive tokens reaching the host (a decode step
+        with the loop's own work around it: argmax, ``on_token``, the next step's preparation,
+        which on cuda overlaps the step before); for :func:`generate_batch`, the batched steps'
+        times."""
         return statistics.median(self.step_ms) if self.step_ms else None
 
 
@@ -63,29 +67,35 @@ def generate(
     cuda = device.type == "cuda"
     host = torch.empty(batch, dtype=torch.int64, pin_memory=cuda)
     ready = torch.cuda.Event() if cuda else None
+    stream = torch.cuda.current_stream(device) if cuda else None
     last = 0.0
     for i in range(max_new_tokens):
         assert logits is not None
         next_id = logits[:, -1].argmax(dim=-1)
         host.copy_(next_id, non_blocking=cuda)
         if ready is not None:
-            ready.record()
+            ready.record(stream)
         failure: BaseException | None = None
         if i + 1 < max_new_tokens:  # the last token is returned, not fed
             try:
                 logits = session.feed(make_inputs, next_id.view(batch, 1))[0]
             except BaseException as exc:  # report the token already made, then raise
                 failure = exc
-        if ready is not None:
-            ready.synchronize()
-        token = int(host[0])
-        now = time.perf_counter()
-        if i:
-            result.step_ms.append((now - last) * 1e3)
-        last = now
-        result.new_tokens.append(token)
-        if on_token:
-            on_token(token)
+        try:
+            if ready is not None:
+                ready.synchronize()
+            token = int(host[0])
+            now = time.perf_counter()
+            if i:
+                result.step_ms.append((now - last) * 1e3)
+            last = now
+            result.new_tokens.append(token)
+            if on_token:
+                on_token(token)
+        except BaseException as exc:  # the step's own failure first, what followed from it chained
+            if failure is not None:
+                raise failure from exc
+            raise
         if failure is not None:
             raise failure
     return result

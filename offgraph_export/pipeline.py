@@ -242,7 +242,7 @@ def run_passes(
     def functional(p: ExportedProgram) -> PassResult[None]:
         return functionalize(p, lowering_traces)
 
-    int4_packed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # one packing, both methods
+    int4_packed: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # one packing, both methods
     int8_kernel = [("cpu_int8_linear", cpu_int8_linear)] if cpu_int8_kernel else []
     int8_kernel += [("cpu_int4_linear", lambda p: cpu_int4_linear(p, int4_packed))] if cpu_int4_kernel else []
 

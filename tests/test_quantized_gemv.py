@@ -499,6 +499,9 @@ def test_interp_final_norm_folds_through_the_lm_head_slice(tmp_path, scheme, gro
     ep = export_model(bundle.model.requires_grad_(False), inputs, bundle.token_dims, bundle.cache_config.max_write)
     program = run_passes(ep, inputs, bundle.cache_config, "portable", quantize=scheme or "none", group_size=group)
     plain = specialize_width(program.pass_results["strip_kv_cache"].program, program.step_width).program
+    # the pattern this pins: the final norm, a whole-tensor slice, then the lm_head
+    head = [n for n in plain.graph.nodes if n.target is torch.ops.aten.linear.default][-1]
+    assert head.args[0].target is torch.ops.aten.slice.Tensor
     folded = copy.deepcopy(plain)
     result = decode_gemv(folded, device_types=("cpu",))
     layers = COMMON["num_hidden_layers"]
@@ -513,6 +516,30 @@ def test_interp_final_norm_folds_through_the_lm_head_slice(tmp_path, scheme, gro
     got, want = folded.module()(*a), plain.module()(*b)
     got, want = (o[0] if isinstance(o, (tuple, list)) else o for o in (got, want))
     torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+
+
+@needs_triton
+def test_a_slice_that_keeps_part_of_the_norm_does_not_fold_it():
+    """Two rows normed, the last one sliced off for a one-row linear: the norm's output is not the
+    linear's whole input, so the GEMV takes the linear without the norm (which stays)."""
+    from offgraph_export.passes.decode_gemv import decode_gemv
+
+    class LastRowHead(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.Parameter(torch.rand(64))
+            self.w = torch.nn.Parameter(torch.randn(48, 64))
+
+        def forward(self, x):
+            xf = x.float()
+            normed = self.norm * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+            return torch.nn.functional.linear(normed[:, -1:, :], self.w)
+
+    ep = torch.export.export(LastRowHead(), (torch.randn(1, 2, 64),))
+    assert any(n.target is torch.ops.aten.slice.Tensor for n in ep.graph.nodes)
+    result = decode_gemv(ep, device_types=("cpu",))
+    assert result.produced.linears == 1 and result.produced.norms == 0
+    assert any(n.target is torch.ops.aten.rsqrt.default for n in ep.graph.nodes)
 
 
 @needs_triton

@@ -89,9 +89,14 @@ def program_constants(ep: ExportedProgram) -> dict[str, Any]:
 
 
 def lowering_scalars(ep: ExportedProgram) -> list[int]:
-    """The int64 scalars AOTInductor adds as constants while lowering ``ep``: the group sizes of its
-    ``_weight_int4pack_mm_for_cpu`` calls (``passes/cpu_int4_linear.py``)."""
-    return sorted({int(n.args[2]) for n in ep.graph.nodes if n.target is torch.ops.aten._weight_int4pack_mm_for_cpu.default})
+    """The int64 scalars AOTInductor adds as constants while lowering ``ep``: the group size of its
+    ``_weight_int4pack_mm_for_cpu`` calls (``passes/cpu_int4_linear.py``). At most one value: the
+    loader accepts such a scalar by value, not by name (the compiler names it), so with two group
+    sizes a hostile archive could swap them and make a kernel read past its scales."""
+    values = sorted({int(n.args[2]) for n in ep.graph.nodes if n.target is torch.ops.aten._weight_int4pack_mm_for_cpu.default})
+    if len(values) > 1:
+        raise ExportError(f"int4 CPU kernels with group sizes {values} in one method; expected one group size")
+    return values
 
 
 def aoti_metadata(specs: ArtifactSpecs, method: str = STEP_METHOD, constants: str = "{}") -> dict[str, str]:

@@ -38,17 +38,20 @@ import torch
 from torch.export import ExportedProgram
 
 from offgraph_export.compat import program_copy
+from offgraph_export.errors import ExportError
 from offgraph_export.passes.cpu_int8_linear import TAKEN_DTYPES
 from offgraph_export.passes.graph_utils import (
-    add_buffer, dequantized_weight_args, drop_dead, is_call, leading_sizes, replace_node, tensor_value, weight_names, weight_tensor,
+    add_buffer, dequantized_weight_args, drop_dead, is_call, leading_sizes, linear_to_rows_kernel, tensor_value, weight_names,
+    weight_tensor,
 )
 from offgraph_export.passes.result import PassResult
+from offgraph_export.specs.quantization import GROUP_SIZES
 
 __all__ = ["cpu_int4_linear", "KERNEL_GROUPS"]
 
 aten = torch.ops.aten
-#: the group sizes the kernel takes
-KERNEL_GROUPS = (32, 64, 128, 256)
+#: the group sizes the kernel takes (it also takes 256, which no export makes)
+KERNEL_GROUPS = GROUP_SIZES
 #: ``_convert_weight_to_int4pack_for_cpu``'s rule: rows a multiple of this
 _ROW_MULTIPLE = 16
 #: the packing's inner tiles argument (its CPU form does not use it; 2 as torchao passes)
@@ -99,7 +102,7 @@ def pack_for_cpu(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
 
 
 def cpu_int4_linear(
-    ep: ExportedProgram, packed: MutableMapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ep: ExportedProgram, packed: MutableMapping[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
 ) -> PassResult[int]:
     """The module docstring's rewrite, on a copy of ``ep`` sharing its weights (``ep`` is an
     earlier pass's result, which the decode method is traced from again) with a state dict of
@@ -120,31 +123,17 @@ def cpu_int4_linear(
             continue
         x, qweight, scales, zeros, group, bias, lead = site
         target = next(spec.target for spec in source.graph_signature.input_specs if spec.arg.name == qweight.name)
+        stored = [weight_tensor(source, n) for n in (qweight, scales, zeros)]
         if target not in packed:
-            packed[target] = pack_for_cpu(*(weight_tensor(source, n) for n in (qweight, scales, zeros)))
+            packed[target] = (stored[0], *pack_for_cpu(*stored))
+        elif packed[target][0] is not stored[0]:  # another method's weight of that name: not this one's packing
+            raise ExportError(f"weight {target!r} differs between the methods; its int4 CPU packing cannot be shared")
         if target not in made:
-            made[target] = (add_buffer(ep, f"{target}_cpu_int4pack", packed[target][0]),
-                            add_buffer(ep, f"{target}_cpu_int4_scales_zeros", packed[target][1]))
+            made[target] = (add_buffer(ep, f"{target}_cpu_int4pack", packed[target][1]),
+                            add_buffer(ep, f"{target}_cpu_int4_scales_zeros", packed[target][2]))
         w_node, sz_node = made[target]
-        xv, out = tensor_value(x), tensor_value(node)
         n, k = tensor_value(qweight).shape[0], 2 * tensor_value(qweight).shape[1]
-        with graph.inserting_before(node):
-            rows = graph.call_function(aten.view.default, (x, [-1, int(k)]))
-            rows.meta["val"] = xv.view(-1, int(k))
-            mm = graph.call_function(aten._weight_int4pack_mm_for_cpu.default, (rows, w_node, group, sz_node))
-            mm.meta["val"] = aten._weight_int4pack_mm_for_cpu.default(
-                rows.meta["val"], tensor_value(w_node), group, tensor_value(sz_node))
-            result = graph.call_function(aten.view.default, (mm, [*lead, int(n)]))
-            result.meta["val"] = mm.meta["val"].view(*lead, int(n))
-            created = [rows, mm, result]
-            if bias is not None:
-                result = graph.call_function(aten.add.Tensor, (result, bias))
-                result.meta["val"] = out
-                created.append(result)
-        for created_node in created:
-            created_node.meta.update({key: node.meta[key] for key in ("stack_trace", "nn_module_stack") if key in node.meta})
-        replace_node(ep, node, result)
-        graph.erase_node(node)
+        linear_to_rows_kernel(ep, node, x, bias, lead, k, n, aten._weight_int4pack_mm_for_cpu.default, (w_node, group, sz_node))
         rewritten += 1
     drop_dead(graph)
     graph.lint()

@@ -30,7 +30,7 @@ from torch.export import ExportedProgram
 
 from offgraph_export.compat import program_copy
 from offgraph_export.passes.graph_utils import (
-    dequantized_weight_args, drop_dead, is_call, leading_sizes, replace_node, tensor_value, weight_names,
+    dequantized_weight_args, drop_dead, is_call, leading_sizes, linear_to_rows_kernel, tensor_value, weight_names,
 )
 from offgraph_export.passes.result import PassResult
 
@@ -86,24 +86,8 @@ def cpu_int8_linear(ep: ExportedProgram) -> PassResult[int]:
         if site is None:
             continue
         x, qweight, scales, bias, lead = site
-        xv, out = tensor_value(x), tensor_value(node)
         n, k = tensor_value(qweight).shape
-        with graph.inserting_before(node):
-            rows = graph.call_function(aten.view.default, (x, [-1, int(k)]))
-            rows.meta["val"] = xv.view(-1, int(k))
-            mm = graph.call_function(aten._weight_int8pack_mm.default, (rows, qweight, scales))
-            mm.meta["val"] = aten._weight_int8pack_mm.default(rows.meta["val"], tensor_value(qweight), tensor_value(scales))
-            result = graph.call_function(aten.view.default, (mm, [*lead, int(n)]))
-            result.meta["val"] = mm.meta["val"].view(*lead, int(n))
-            created = [rows, mm, result]
-            if bias is not None:
-                result = graph.call_function(aten.add.Tensor, (result, bias))
-                result.meta["val"] = out
-                created.append(result)
-        for created_node in created:
-            created_node.meta.update({key: node.meta[key] for key in ("stack_trace", "nn_module_stack") if key in node.meta})
-        replace_node(ep, node, result)
-        graph.erase_node(node)
+        linear_to_rows_kernel(ep, node, x, bias, lead, k, n, aten._weight_int8pack_mm.default, (qweight, scales))
         rewritten += 1
     drop_dead(graph)
     graph.lint()

@@ -170,7 +170,8 @@ def _match_rstd(r: object, xf: object) -> Optional[tuple[float, torch.fx.Node]]:
 def _whole_slice_source(x: object) -> Optional[torch.fx.Node]:
     """The sliced tensor when ``x`` is an ``aten.slice`` that keeps all of it (step 1, the same
     shape: transformers' ``hidden_states[:, -logits_to_keep:]`` with ``logits_to_keep = 0``, between
-    the final norm and the lm_head), else None."""
+    the final norm and the lm_head), else None. The shapes are compared as they stand: concrete in
+    the width-specialized decode method this pass runs on."""
     if not is_call(x, aten.slice.Tensor):
         return None
     src, step = x.args[0], (x.args[4] if len(x.args) > 4 else x.kwargs.get("step", 1))

@@ -32,6 +32,7 @@ __all__ = [
     "weight_names",
     "weight_tensor",
     "leading_sizes",
+    "linear_to_rows_kernel",
     "add_buffer",
     "retrace_rewritten",
     "binary_operands",
@@ -501,3 +502,30 @@ def leading_sizes(x: torch.Tensor) -> Optional[list[int]]:
     """``x``'s sizes but the last, the one symbolic size (if any) as -1; None for two or more."""
     sizes = [int(d) if isinstance(d, int) else -1 for d in x.shape[:-1]]
     return sizes if sizes.count(-1) <= 1 else None
+
+
+def linear_to_rows_kernel(
+    ep: ExportedProgram, node: torch.fx.Node, x: torch.fx.Node, bias: object, lead: list[int], k: int, n: int,
+    kernel: Any, args: tuple[Any, ...],
+) -> None:
+    """Replace the linear ``node`` of ``ep`` by ``view(x, [-1, k])`` -> ``kernel(rows, *args)`` ->
+    ``view`` to ``lead`` (:func:`leading_sizes`) and ``n`` [-> ``add`` of ``bias``], each new node
+    with its fake value and the linear's source metadata (the cpu quantized-kernel passes)."""
+    graph = ep.graph
+    xv, out = tensor_value(x), tensor_value(node)
+    with graph.inserting_before(node):
+        rows = graph.call_function(torch.ops.aten.view.default, (x, [-1, int(k)]))
+        rows.meta["val"] = xv.view(-1, int(k))
+        mm = graph.call_function(kernel, (rows, *args))
+        mm.meta["val"] = kernel(rows.meta["val"], *(tensor_value(a) if isinstance(a, torch.fx.Node) else a for a in args))
+        result = graph.call_function(torch.ops.aten.view.default, (mm, [*lead, int(n)]))
+        result.meta["val"] = mm.meta["val"].view(*lead, int(n))
+        created = [rows, mm, result]
+        if bias is not None:
+            result = graph.call_function(torch.ops.aten.add.Tensor, (result, bias))
+            result.meta["val"] = out
+            created.append(result)
+    for created_node in created:
+        created_node.meta.update({key: node.meta[key] for key in ("stack_trace", "nn_module_stack") if key in node.meta})
+    replace_node(ep, node, result)
+    graph.erase_node(node)

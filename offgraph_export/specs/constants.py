@@ -30,7 +30,8 @@ SCALARS_KEY = "*int64 scalars*"
 def check_constants(weights: Mapping[str, Any], description: str, method: str, source: str) -> None:
     """Every weight handed to ``method`` must be one of the constants its compiled program was
     built for, with that constant's dtype and shape (``description``: the program's own metadata,
-    see :func:`describe_constants`): the compiled code reads them in place, unchecked. A described
+    see :func:`describe_constants`), or a 0-dim int64 holding a value the description lists under
+    :data:`SCALARS_KEY`: the compiled code reads them in place, unchecked. A described
     constant may be absent (the compiler folds some, e.g. RoPE frequency buffers, into code); one
     the program needs and lacks is refused by the loader's full-update check."""
     data = loads_limited(description, f"{source}: method {method!r} constants", ArtifactError)
