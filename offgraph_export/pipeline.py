@@ -243,8 +243,8 @@ def run_passes(
         return functionalize(p, lowering_traces)
 
     int4_packed: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # one packing, both methods
-    int8_kernel = [("cpu_int8_linear", cpu_int8_linear)] if cpu_int8_kernel else []
-    int8_kernel += [("cpu_int4_linear", lambda p: cpu_int4_linear(p, int4_packed))] if cpu_int4_kernel else []
+    cpu_kernels = [("cpu_int8_linear", cpu_int8_linear)] if cpu_int8_kernel else []
+    cpu_kernels += [("cpu_int4_linear", lambda p: cpu_int4_linear(p, int4_packed))] if cpu_int4_kernel else []
 
     steps: list[tuple[str, Callable[[ExportedProgram], PassResult[Any]]]] = [
         ("validate_kv_sites", validate_kv_sites),
@@ -261,7 +261,7 @@ def run_passes(
             "strip_kv_cache",
             lambda p: strip_kv_cache(p, results["build_manifest"].produced, example_inputs, step_impl),
         ),
-        *int8_kernel,
+        *cpu_kernels,
         ("functionalize", functional),
     ]
     program = ep

@@ -19,18 +19,16 @@ from offgraph_export.reference.weight_quant import dequantize, quantize
 from offgraph_export.specs import CacheConfig
 from tests import tiny_models as tm
 
-CONFIG = CacheConfig(max_capacity=64, initial_capacity=8, max_write=16, ring_windows={1: 5})
+CONFIG = CacheConfig(**tm.QUANT_CACHE)
 KERNEL = "aten._weight_int4pack_mm_for_cpu.default"
 
 
 def _program(dtype):
-    model = tm.Stack(2, hq=8, hkv=2, d=16, dv=8).eval().to(dtype)
-    inputs = (torch.randn(1, 5, 32, dtype=dtype), torch.arange(5))
-    return tm.export(model, inputs, (1, 0), CONFIG.max_write), inputs
+    return tm.quantizable_program(dtype)
 
 
 def _kernels(ep):
-    return sum(str(n.target) == KERNEL for n in ep.graph.nodes)
+    return tm.count_calls(ep, KERNEL)
 
 
 @pytest.fixture(scope="module")

@@ -134,6 +134,24 @@ def export(model: nn.Module, inputs: tuple, token_dims: tuple, max_width: int = 
     return export_model(model, inputs, token_dims, max_width)
 
 
+#: the cache of :func:`quantizable_program`'s stacks: flat and ring layers
+QUANT_CACHE = dict(max_capacity=64, initial_capacity=8, max_write=16, ring_windows={1: 5})
+
+
+def quantizable_program(dtype: torch.dtype):
+    """``(exported program, inputs)`` of a two-layer :class:`Stack` in ``dtype`` whose linears a
+    quantize pass takes (every output width a multiple of 16), over five tokens; the cpu
+    quantized-kernel pass tests' model."""
+    model = Stack(2, hq=8, hkv=2, d=16, dv=8).eval().to(dtype)
+    inputs = (torch.randn(1, 5, 32, dtype=dtype), torch.arange(5))
+    return export(model, inputs, (1, 0), QUANT_CACHE["max_write"]), inputs
+
+
+def count_calls(ep, target: str) -> int:
+    """How many nodes of ``ep`` call ``target`` (its string form, ``aten.linear.default``)."""
+    return sum(str(n.target) == target for n in ep.graph.nodes)
+
+
 def replay_stripped(programs: dict, widths: list[int], seed: int, dtype: torch.dtype = torch.float32, hidden: int = 32):
     """Step each of ``programs`` (name -> a ``run_passes`` result of one model) over the same seeded
     inputs, ``widths`` tokens at a time, each with storage of its own from the first program's

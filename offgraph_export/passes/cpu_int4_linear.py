@@ -32,7 +32,7 @@ rewritten.
 from __future__ import annotations
 
 from collections.abc import MutableMapping
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch.export import ExportedProgram
@@ -41,8 +41,8 @@ from offgraph_export.compat import program_copy
 from offgraph_export.errors import ExportError
 from offgraph_export.passes.cpu_int8_linear import TAKEN_DTYPES
 from offgraph_export.passes.graph_utils import (
-    add_buffer, dequantized_weight_args, drop_dead, is_call, leading_sizes, linear_to_rows_kernel, tensor_value, weight_names,
-    weight_tensor,
+    add_buffer, dequantized_weight_args, drop_dead, linear_to_rows_kernel, rows_linear_site, tensor_value, weight_names,
+    weight_target, weight_tensor,
 )
 from offgraph_export.passes.result import PassResult
 from offgraph_export.specs.quantization import GROUP_SIZES
@@ -79,18 +79,9 @@ def _int4_weight(w: object, weights: set[str]) -> Optional[tuple[torch.fx.Node, 
     return qweight, scales, zeros, group
 
 
-def _site(node: torch.fx.Node, weights: set[str]):
+def _site(node: torch.fx.Node, weights: set[str]) -> Optional[tuple[Any, ...]]:
     """``(x, qweight, scales, zeros, group, bias, leading sizes)`` when ``node`` is a linear the pass takes."""
-    if not is_call(node, aten.linear.default):
-        return None
-    x, w, *rest = node.args
-    bias = rest[0] if rest else node.kwargs.get("bias")
-    found = _int4_weight(w, weights)
-    xv = tensor_value(x)
-    if found is None or xv is None or tensor_value(node) is None or xv.dtype != w.args[4] or xv.dim() < 2:
-        return None
-    lead = leading_sizes(xv)
-    return None if lead is None else (x, *found, bias, lead)
+    return rows_linear_site(node, lambda w: _int4_weight(w, weights))
 
 
 def pack_for_cpu(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,7 +113,7 @@ def cpu_int4_linear(
         if site is None:
             continue
         x, qweight, scales, zeros, group, bias, lead = site
-        target = next(spec.target for spec in source.graph_signature.input_specs if spec.arg.name == qweight.name)
+        target = weight_target(source, qweight)
         stored = [weight_tensor(source, n) for n in (qweight, scales, zeros)]
         if target not in packed:
             packed[target] = (stored[0], *pack_for_cpu(*stored))

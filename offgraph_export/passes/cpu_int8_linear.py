@@ -23,14 +23,14 @@ outputs are unchanged. Produces how many linears were rewritten.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch.export import ExportedProgram
 
 from offgraph_export.compat import program_copy
 from offgraph_export.passes.graph_utils import (
-    dequantized_weight_args, drop_dead, is_call, leading_sizes, linear_to_rows_kernel, tensor_value, weight_names,
+    dequantized_weight_args, drop_dead, linear_to_rows_kernel, rows_linear_site, tensor_value, weight_names,
 )
 from offgraph_export.passes.result import PassResult
 
@@ -57,18 +57,9 @@ def _int8_weight(w: object, weights: set[str]) -> Optional[tuple[torch.fx.Node, 
     return qweight, scales
 
 
-def _site(node: torch.fx.Node, weights: set[str]) -> Optional[tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node, object, list[int]]]:
+def _site(node: torch.fx.Node, weights: set[str]) -> Optional[tuple[Any, ...]]:
     """``(x, qweight, scales, bias, leading sizes)`` when ``node`` is a linear the pass takes."""
-    if not is_call(node, aten.linear.default):
-        return None
-    x, w, *rest = node.args
-    bias = rest[0] if rest else node.kwargs.get("bias")
-    found = _int8_weight(w, weights)
-    xv, out = tensor_value(x), tensor_value(node)
-    if found is None or xv is None or out is None or xv.dtype != w.args[4] or xv.dim() < 2:
-        return None
-    lead = leading_sizes(xv)
-    return None if lead is None else (x, *found, bias, lead)
+    return rows_linear_site(node, lambda w: _int8_weight(w, weights))
 
 
 def cpu_int8_linear(ep: ExportedProgram) -> PassResult[int]:

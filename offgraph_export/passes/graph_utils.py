@@ -30,7 +30,9 @@ __all__ = [
     "inline_calls",
     "dequantized_weight_args",
     "weight_names",
+    "weight_target",
     "weight_tensor",
+    "rows_linear_site",
     "leading_sizes",
     "linear_to_rows_kernel",
     "add_buffer",
@@ -456,12 +458,17 @@ def weight_names(ep: ExportedProgram) -> set[str]:
     return {*sig.inputs_to_parameters, *sig.inputs_to_buffers, *sig.inputs_to_lifted_tensor_constants}
 
 
+def weight_target(ep: ExportedProgram, node: torch.fx.Node) -> Optional[str]:
+    """The name (state dict or constants key) of the weight placeholder ``node`` of ``ep``, or None."""
+    sig = ep.graph_signature
+    return (sig.inputs_to_parameters.get(node.name) or sig.inputs_to_buffers.get(node.name)
+            or sig.inputs_to_lifted_tensor_constants.get(node.name))
+
+
 def weight_tensor(ep: ExportedProgram, node: torch.fx.Node) -> Optional[torch.Tensor]:
     """The real tensor a weight placeholder of ``ep`` carries (parameter, buffer or lifted
     constant), or None."""
-    sig = ep.graph_signature
-    target = (sig.inputs_to_parameters.get(node.name) or sig.inputs_to_buffers.get(node.name)
-              or sig.inputs_to_lifted_tensor_constants.get(node.name))
+    target = weight_target(ep, node)
     if target is None:
         return None
     value = ep.state_dict.get(target)
@@ -502,6 +509,24 @@ def leading_sizes(x: torch.Tensor) -> Optional[list[int]]:
     """``x``'s sizes but the last, the one symbolic size (if any) as -1; None for two or more."""
     sizes = [int(d) if isinstance(d, int) else -1 for d in x.shape[:-1]]
     return sizes if sizes.count(-1) <= 1 else None
+
+
+def rows_linear_site(node: torch.fx.Node, match_weight: Callable[[object], Any]) -> Optional[tuple[Any, ...]]:
+    """``(x, *match_weight(w), bias, leading sizes)`` when ``node`` is ``aten.linear(x, w[, bias])``
+    whose weight ``match_weight`` accepts (a tuple, or None) and whose ``x`` has the weight's dtype
+    (``w``'s ``dequantize_weight`` dtype argument), two or more dims and at most one symbolic
+    leading size (:func:`leading_sizes`): a linear the cpu quantized-kernel passes may rewrite with
+    :func:`linear_to_rows_kernel`."""
+    if not is_call(node, torch.ops.aten.linear.default):
+        return None
+    x, w, *rest = node.args
+    bias = rest[0] if rest else node.kwargs.get("bias")
+    found = match_weight(w)
+    xv = tensor_value(x)
+    if found is None or xv is None or tensor_value(node) is None or xv.dtype != w.args[4] or xv.dim() < 2:
+        return None
+    lead = leading_sizes(xv)
+    return None if lead is None else (x, *found, bias, lead)
 
 
 def linear_to_rows_kernel(
